@@ -1,0 +1,78 @@
+"""Plain dataclasses that cross the scheduler / model-runner / connector boundaries.
+
+Lists and dicts only - no tensors - so they can be pickled between processes (vLLM V1 style).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class KVConnectorOutput:
+    """Everything the worker-side connector reports for one step, gathered in one place."""
+
+    finished_sending: set[str] | None = None  # req ids whose KV was fully pulled by a remote reader
+    finished_recving: set[str] | None = None  # req ids whose remote KV finished loading locally
+    invalid_block_ids: set[int] = field(default_factory=set)  # local block ids whose load failed
+    kv_connector_stats: dict[str, Any] | None = None  # connector-specific counters for this step
+
+    def is_empty(self) -> bool:
+        return (
+            not self.finished_sending
+            and not self.finished_recving
+            and not self.invalid_block_ids
+            and not self.kv_connector_stats
+        )
+
+
+@dataclass
+class NewRequestData:
+    """A request scheduled for the first time (or again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # full prompt
+    block_ids: list[int]  # the request's whole block table so far
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit / remote load)
+    sampling_params: Any  # SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request that already ran in an earlier step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens sampled last step that now need their KV computed
+    new_block_ids: list[int]  # blocks appended to the block table this step
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished since the previous step; runner and connector drop state
+    preempted_req_ids: set[str] = field(default_factory=set)  # runner must forget these
+    kv_connector_metadata: Any = None  # built by the scheduler-side connector, bound to the worker side
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # requests that ran this step, in batch order
+    sampled_token_ids: dict[str, list[int]]  # req_id -> tokens sampled (empty for a partial prefill)
+    logprobs: dict[str, list[float]] | None = None  # req_id -> logprob of each sampled token
+    kv_connector_output: KVConnectorOutput | None = None  # None when there is no connector
+
+    @classmethod
+    def empty(cls, kv_connector_output: KVConnectorOutput | None = None) -> "ModelRunnerOutput":
+        return cls(req_ids=[], sampled_token_ids={}, kv_connector_output=kv_connector_output)
+
+
+@dataclass
+class IntermediateTensors:
+    """Hidden states handed between pipeline stages; the connector output rides along."""
+
+    tensors: dict[str, Any]  # name -> tensor (only object here allowed to hold tensors)
+    kv_connector_output: KVConnectorOutput | None = None
