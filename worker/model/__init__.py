@@ -1,0 +1,8 @@
+"""Llama-family decoder over a paged KV cache, its checkpoint loader, tokenizer and the tiny default checkpoint."""
+from disagg.worker.model.config import ModelConfig
+from disagg.worker.model.llama import CausalLM
+from disagg.worker.model.loader import load_model
+from disagg.worker.model.tiny import write_tiny_checkpoint
+from disagg.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["CausalLM", "IncrementalDetokenizer", "ModelConfig", "Tokenizer", "load_model", "write_tiny_checkpoint"]

@@ -1,0 +1,237 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) in plain PyTorch, reading a paged KV cache.
+
+Module and parameter names follow the Hugging Face checkpoints, so a state dict loads as is.
+The batch is flat: T tokens from several requests, concatenated (see AttentionMetadata).
+Attention layers find the step's metadata and the KV cache through get_forward_context().
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+from disagg.worker.model.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32, scale in the model dtype (as the reference implementation does)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """(head_dim // 2,) float32 inverse frequencies, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        # Not a buffer: Module.to(dtype) would round it to bfloat16, and the loader builds the
+        # model on the meta device. Kept float32 on cpu, copied once per device.
+        self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq_by_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device[positions.device] = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (T, n_heads, head_dim); cos, sin: (T, 1, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_name = f"model.layers.{layer_idx}.self_attn"
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
+        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None:
+            out = self._attend(q, k, v, causal_offset=0)  # dummy run: one causal sequence, no cache
+        else:
+            out = self._paged_attention(ctx, q, k, v)
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+
+    def _paged_attention(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = ctx.attn_metadata
+        kv_cache = ctx.kv_cache
+        if kv_cache is None:
+            raise ValueError(f"{self.layer_name}: attn_metadata is set but kv_cache is None")
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.wait_for_layer_load(self.layer_name)
+        layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
+        block_ids = torch.div(md.slot_mapping, md.block_size, rounding_mode="floor")  # (T,)
+        offsets = md.slot_mapping % md.block_size  # (T,)
+        layer_cache[block_ids, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # (T, 2, n_kv, hd)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.save_kv_layer(self.layer_name, kv_cache, md)
+
+        out = torch.empty_like(q)  # (T, n_heads, head_dim)
+        n_dec = md.num_decodes
+        if n_dec:
+            out[:n_dec] = self._decode_attention(md, layer_cache, q[:n_dec])
+        for i in range(n_dec, len(md.seq_lens)):
+            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+            seq_len, q_len = md.seq_lens[i], end - start
+            if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
+                k_ctx, v_ctx = k[start:end], v[start:end]
+            else:
+                k_ctx, v_ctx = self._gather(layer_cache, md.block_tables[i : i + 1], md.block_size, seq_len)
+                k_ctx, v_ctx = k_ctx[0, :seq_len].to(q.dtype), v_ctx[0, :seq_len].to(q.dtype)
+            out[start:end] = self._attend(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - q_len)
+        return out
+
+    def _decode_attention(self, md: AttentionMetadata, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
+        B = q.shape[0]
+        k, v = self._gather(layer_cache, md.block_tables[:B], md.block_size, max(md.seq_lens[:B]))
+        S = k.shape[1]
+        mask = torch.arange(S, device=q.device)[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # (B, n_heads, 1, head_dim)
+            k.transpose(1, 2).to(q.dtype),  # (B, n_kv_heads, S, head_dim)
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :],  # (B, 1, 1, S)
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return out[:, :, 0, :]  # (B, n_heads, head_dim)
+
+    @staticmethod
+    def _gather(
+        layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks: each (B, n_blocks * block_size, n_kv_heads, head_dim)."""
+        n_blocks = -(-max_len // block_size)
+        blocks = layer_cache[block_tables[:, :n_blocks]]  # (B, n_blocks, 2, block_size, n_kv, hd)
+        B = blocks.shape[0]
+        k = blocks[:, :, 0].reshape(B, n_blocks * block_size, *blocks.shape[-2:])
+        v = blocks[:, :, 1].reshape(B, n_blocks * block_size, *blocks.shape[-2:])
+        return k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
+        """One sequence. q: (L, n_heads, hd); k, v: (S, n_kv, hd), S = L + causal_offset."""
+        L, S = q.shape[0], k.shape[0]
+        mask = None
+        if causal_offset:  # query j sits at position causal_offset + j and sees keys 0..causal_offset + j
+            mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(L, device=q.device)[:, None] + causal_offset
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, n_heads, L, hd)
+            k.transpose(0, 1)[None],  # (1, n_kv_heads, S, hd)
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return out[0].transpose(0, 1)  # (L, n_heads, hd)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, h, bias=bias)
+        self.up_proj = nn.Linear(d, h, bias=bias)
+        self.down_proj = nn.Linear(h, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary(positions, x.dtype)  # (T, 1, head_dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 -> hidden states (T, hidden)."""
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> logits (N, vocab) float32."""
+        return self.lm_head(hidden).float()
