@@ -1,0 +1,111 @@
+"""Paged KV blocks: ref counts, an LRU free list, and the prefix cache (block hash -> block id).
+
+Pure bookkeeping; no torch. A freed block keeps its hash (and its KV) until it is reused, so a
+later request with the same prefix can take it back from the free list.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
+    """Chain hash of a full block: stable across processes (sha256, not Python's hash())."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
+    return h.digest()
+
+
+def hash_request_blocks(token_ids: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
+    """Extend `known` (hashes of the first len(known) full blocks) to every full block of token_ids."""
+    hashes = list(known)
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+    return hashes
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set once the block is full and cached
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # free blocks in eviction order: first = least recently freed
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached prefix
+                if self._cached.get(block.block_hash) == block_id:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            ids.append(block_id)
+        return ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on blocks found in the prefix cache."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self._free.pop(block_id)
+            block.ref_cnt += 1
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference each; blocks reaching zero go to the end of the free list in this order."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self._cached.setdefault(block_hash, block_id)
+
+    def uncache_block(self, block_id: int) -> None:
+        """Forget a block's hash (its KV is invalid, e.g. a failed remote load)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._cached.values()):
+            self.blocks[block_id].block_hash = None
+        self._cached.clear()

@@ -1,0 +1,205 @@
+"""LLMEngine: joins scheduler, model runner and detokenizer; `step()` advances every request one step."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagg.worker.config import EngineConfig
+from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
+from disagg.worker.engine.request import Request, RequestStatus
+from disagg.worker.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
+from disagg.worker.kv_transfer.factory import create_connector
+from disagg.worker.model import Tokenizer, load_model
+from disagg.worker.model_runner import ModelRunner
+from disagg.worker.outputs import SchedulerOutput
+from disagg.worker.request_output import CompletionOutput, OutputProcessor, RequestOutput
+from disagg.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (for Prometheus)."""
+
+    prompt_tokens: int = 0  # prompt tokens computed or loaded
+    generation_tokens: int = 0
+    kv_connector_stats: list[dict[str, Any]] = field(default_factory=list)  # per step, drained by readers
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = Tokenizer(config.model)
+        self.served_model_name = config.served_model_name or Path(config.model).name
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}"
+            )
+        num_blocks = self._num_kv_blocks()
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        dtype_name = next(k for k, v in _DTYPES.items() if v == self.dtype)
+        self.kv_cache_spec = KVCacheSpec(
+            model_name=self.served_model_name, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim, block_size=config.block_size, num_blocks=num_blocks, dtype=dtype_name,
+        )
+        kv_cache = torch.zeros(
+            (num_blocks, mc.num_hidden_layers, 2, config.block_size, mc.num_key_value_heads, mc.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        ktc = config.kv_transfer_config
+        self.scheduler_connector = create_connector(ktc, KVConnectorRole.SCHEDULER, self.kv_cache_spec)
+        self.worker_connector = create_connector(ktc, KVConnectorRole.WORKER, self.kv_cache_spec)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                kv_load_failure_policy=ktc.kv_load_failure_policy,
+            ),
+            self.kv_cache_manager,
+            self.scheduler_connector,
+        )
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device, self.worker_connector)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._next_id = 0
+        logger.info(
+            "engine ready: model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d connector=%s",
+            config.model, mc.architecture, dtype_name, self.device, num_blocks, config.block_size,
+            ktc.kv_connector_module_path or ktc.kv_connector,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        min_blocks = cdiv(self.max_model_len, cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < min_blocks:
+                raise ValueError(
+                    f"num_kv_blocks={cfg.num_kv_blocks} cannot hold one max_model_len={self.max_model_len} "
+                    f"request (needs {min_blocks})"
+                )
+            return cfg.num_kv_blocks
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_block = mc.num_hidden_layers * 2 * cfg.block_size * mc.num_key_value_heads * mc.head_dim * itemsize
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cfg.gpu_memory_utilization)
+            else:
+                budget = 1 << 30
+        return max(budget // per_block, min_blocks)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError naming what is wrong (nothing is queued)."""
+        sampling_params = sampling_params or SamplingParams()
+        sampling_params.validate()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt plus at least one new token must fit)"
+            )
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        req = Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params)
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_kv_work(self) -> bool:
+        return self.scheduler.has_pending_kv_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        try:
+            runner_output = self.runner.execute_model(so)
+        except Exception as e:  # an engine bug: fail this batch, keep serving the rest
+            logger.exception("model step failed; failing the %d scheduled requests", len(so.num_scheduled_tokens))
+            return self._fail_step(so, e)
+        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        kvo = runner_output.kv_connector_output
+        if kvo is not None and kvo.kv_connector_stats:
+            self.stats.kv_connector_stats.append(kvo.kv_connector_stats)
+        self.stats.prompt_tokens += sum(
+            n for r, n in so.num_scheduled_tokens.items() if r in runner_output.sampled_token_ids and n > 1
+        )
+        return self._process(core_outputs)
+
+    def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        req_ids = list(so.num_scheduled_tokens)
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR, f"engine step failed: {error}")
+        return self._process(self.scheduler.take_pending_outputs())
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        outputs = []
+        for out in core_outputs:
+            self.stats.generation_tokens += len(out.new_token_ids)
+            ro = self.output_processor.process(out)
+            if ro is None:
+                continue
+            if ro.finished and out.finish_reason is None:  # stopped by a stop string
+                req = self.scheduler.requests.get(out.req_id)
+                self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
+                ro.kv_transfer_params = req.kv_transfer_params if req is not None else None
+            outputs.append(ro)
+        return outputs
+
+    def shutdown(self) -> None:
+        for connector in (self.worker_connector, self.scheduler_connector):
+            if connector is not None:
+                connector.shutdown()
+
+
+__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,139 @@
+"""Runs one scheduled step on the model: the only layer that touches tensors and devices.
+
+The forward pass (and anything else that writes KV in the step) runs inside the KV-connector
+lifecycle context (kv_transfer/lifecycle.py), whose output rides back in ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from disagg.worker.kv_transfer.base import KVConnectorBase
+from disagg.worker.kv_transfer.lifecycle import kv_connector_step
+from disagg.worker.outputs import ModelRunnerOutput, SchedulerOutput
+from disagg.worker.sampler import sample
+from disagg.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt (+ tokens generated before a preemption) + tokens sampled here
+    block_ids: list[int]  # block table
+    num_computed_tokens: int  # KV in cache before the current step
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        connector: KVConnectorBase | None = None,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache  # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.device = device
+        self.connector = connector  # worker-role connector or None
+        self.requests: dict[str, CachedRequestState] = {}
+        if connector is not None:
+            connector.register_kv_caches({"kv_cache": kv_cache})
+
+    # ------------------------------------------------------------------ state
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
+                new.sampling_params, gen,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            # nothing to compute, but finished transfers must still surface
+            with kv_connector_step(self.connector, so, wait_for_save=False) as kv_output:
+                pass
+            return ModelRunnerOutput.empty(kv_output)
+
+        # decodes (one new token) first, then prefill chunks; ties keep scheduler order
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
+        ctx = ForwardContext(attn_metadata=attn_metadata, kv_cache=self.kv_cache, kv_connector=self.connector)
+        with kv_connector_step(self.connector, so) as kv_output:
+            with set_forward_context(ctx):
+                hidden = self.model(input_ids, positions)
+            sampled: dict[str, list[int]] = {r: [] for r in req_ids}
+            if sample_rows:
+                rows = torch.tensor([row for _, row in sample_rows], device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                states = [self.requests[r] for r, _ in sample_rows]
+                token_ids = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+                for state, token_id in zip(states, token_ids):
+                    state.token_ids.append(token_id)
+                    sampled[state.req_id] = [token_id]
+        for r in req_ids:
+            self.requests[r].num_computed_tokens += so.num_scheduled_tokens[r]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output)
+
+    def _prepare_inputs(
+        self, req_ids: list[str], num_scheduled: dict[str, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[str, int]]]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[tuple[str, int]] = []  # (req_id, row of its last new token)
+        bs = self.block_size
+        for r in req_ids:
+            state, n = self.requests[r], num_scheduled[r]
+            start = state.num_computed_tokens
+            end = start + n
+            ids.extend(state.token_ids[start:end])
+            pos.extend(range(start, end))
+            table = state.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if end >= len(state.token_ids):  # prompt (chunk) complete: sample the next token
+                sample_rows.append((r, query_start_loc[-1] - 1))
+        max_blocks = max(-(-s // bs) for s in seq_lens)
+        tables = [self.requests[r].block_ids[:max_blocks] for r in req_ids]
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=sum(1 for r in req_ids if num_scheduled[r] == 1),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=bs,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            sample_rows,
+        )
