@@ -1,0 +1,153 @@
+"""Generate the CustomResourceDefinition from the pydantic models in spec.py.
+
+`disagg crd` (or `python -m disagg.operator.crd`) writes crds/<plural>.<group>.yaml; `--check` fails on drift.
+Pydantic's JSON schema is rewritten into a Kubernetes structural schema: $refs inlined, Optional collapsed,
+int|str quantities as x-kubernetes-int-or-string, free-form objects as x-kubernetes-preserve-unknown-fields.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disagg.operator import spec as s
+
+log = logging.getLogger(__name__)
+
+CRD_NAME = f"{s.PLURAL}.{s.GROUP}"
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "crds"
+FILE_NAME = f"{CRD_NAME}.yaml"
+
+# keys a structural schema may carry (apiextensions.k8s.io/v1 JSONSchemaProps, minus what we never emit)
+_KEPT = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
+         "minItems", "maxItems", "maxProperties", "format", "required"}
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _structural(merged, defs)
+    if "anyOf" in node:
+        branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+        outer = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(branches) == 1:
+            return _structural({**branches[0], **outer}, defs)
+        types = sorted(b.get("type", "") for b in branches)
+        if types == ["integer", "string"]:
+            # the form controller-gen emits for resource.Quantity: bare types in anyOf, pattern outside
+            out = _structural(outer, defs)
+            out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+            out.update({k: b[k] for b in branches for k in ("pattern",) if k in b})
+            out["x-kubernetes-int-or-string"] = True
+            return out
+        raise ValueError(f"cannot express anyOf {node['anyOf']!r} in a structural schema")
+    out: dict[str, Any] = {k: v for k, v in node.items() if k in _KEPT}
+    if "description" in out:
+        out["description"] = " ".join(out["description"].split())  # docstrings wrap; the schema need not
+    if out.get("default", 0) is None:
+        del out["default"]
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                **({"description": node["description"]} if "description" in node else {})}
+    if "properties" in node:
+        out["properties"] = {name: _structural(sub, defs) for name, sub in node["properties"].items()}
+    elif isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _structural(node["additionalProperties"], defs)
+    if "items" in node:
+        out["items"] = _structural(node["items"], defs)
+    return out
+
+
+def model_schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")  # type: ignore[attr-defined]
+    return _structural(raw, raw.get("$defs", {}))
+
+
+def _printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.readyReplicas"},
+        {"name": "Decode", "type": "integer", "jsonPath": ".status.decode.readyReplicas"},
+        {"name": "Router", "type": "integer", "jsonPath": ".status.router.readyReplicas"},
+        {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
+        {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def build_crd() -> dict[str, Any]:
+    root = {
+        "type": "object",
+        "description": "A prefill/decode disaggregated LLM deployment: prefill pool, decode pool and router.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": model_schema(s.DisaggregatedInferenceSpec),
+            "status": model_schema(s.DisaggregatedInferenceStatus),
+        },
+        "x-kubernetes-validations": [{
+            "rule": f"self.metadata.name.size() <= {s.MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {s.MAX_NAME_LENGTH} characters (children add suffixes)",
+        }],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "disagg"}},
+        "spec": {
+            "group": s.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": s.KIND, "listKind": f"{s.KIND}List", "plural": s.PLURAL,
+                      "singular": s.SINGULAR, "shortNames": list(s.SHORT_NAMES), "categories": ["all"]},
+            "versions": [{
+                "name": s.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": _printer_columns(),
+                "schema": {"openAPIV3Schema": root},
+            }],
+        },
+    }
+
+
+def render_crd() -> str:
+    header = "# Generated by `disagg crd` from disagg/operator/spec.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output-dir", type=Path, default=DEFAULT_DIR, help="directory for the CRD YAML")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the models")
+    parser.add_argument("--stdout", action="store_true", help="write the YAML to stdout instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    text = render_crd()
+    if args.stdout:
+        sys.stdout.write(text)
+        return 0
+    path = args.output_dir / FILE_NAME
+    if args.check:
+        current = path.read_text() if path.exists() else ""
+        if current != text:
+            sys.stderr.write(f"{path} is out of date: run `disagg crd`\n")
+            return 1
+        return 0
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    log.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m disagg.operator.crd", description=__doc__)
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

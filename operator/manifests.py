@@ -1,0 +1,297 @@
+"""Pure functions: a DisaggregatedInference spec -> the manifests of its children. No API calls.
+
+Children of a resource named N in namespace NS:
+  Deployment N-prefill, N-decode, N-router; Service N (router, the endpoint);
+  headless Services N-prefill, N-decode (pod discovery + the NIXL side channel);
+  ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from disagg.operator import spec as s
+
+Role = Literal["prefill", "decode"]
+Component = Literal["prefill", "decode", "router"]
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_REVISION = f"{s.GROUP}/revision"  # serving revision; the router pairs prefill and decode pods by it
+ANNOTATION_CONFIG_HASH = f"{s.GROUP}/config-hash"  # on pod templates: a change rolls the pods
+ANNOTATION_APPLIED_HASH = f"{s.GROUP}/applied-hash"  # on children: what the operator last wrote
+APP_NAME = "disagg"
+MANAGED_BY = "disagg-operator"
+
+HTTP_PORT = 8000
+SIDE_CHANNEL_PORT = 5600
+MODELS_DIR = "/models"  # PVC mount
+CACHE_DIR = "/cache"  # emptyDir: Hugging Face cache and downloads from a URI
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The DisaggregatedInference the children belong to."""
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": s.API_VERSION, "kind": s.KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
+    """What prefill and decode must share for KV blocks to be compatible: model, image, KV transfer."""
+    return stable_hash(spec.model_dump(by_alias=True, include={"model", "image", "kv_transfer"}), 10)
+
+
+def child_name(owner: Owner, component: Component) -> str:
+    return f"{owner.name}-{component}"
+
+
+def selector_labels(owner: Owner, component: Component) -> dict[str, str]:
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: owner.name, LABEL_COMPONENT: component}
+
+
+def label_selector(owner: Owner, component: Component) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(owner, component).items())
+
+
+def common_labels(owner: Owner, component: Component) -> dict[str, str]:
+    return {**selector_labels(owner, component), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def router_endpoint(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
+
+
+def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner, component),
+            "ownerReferences": [owner.reference()]}
+
+
+# ---------------------------------------------------------------- worker pods
+def model_argument(spec: s.DisaggregatedInferenceSpec) -> str:
+    src = spec.model.source
+    if src.pvc is not None:
+        return str(PurePosixPath(MODELS_DIR) / src.pvc.path) if src.pvc.path else MODELS_DIR
+    value = src.hugging_face or src.path or src.uri
+    if value is None:
+        raise ValueError("spec.model.source: a generated checkpoint cannot run on Kubernetes")
+    return value
+
+
+def worker_args(spec: s.DisaggregatedInferenceSpec, role: Role) -> list[str]:
+    r: s.RoleSpec = getattr(spec, role)
+    kv = spec.kv_transfer
+    args = ["worker", "--role", role, "--model", model_argument(spec), "--served-model-name", spec.model.served_name,
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--kv-connector", kv.connector, "--kv-lease-seconds", str(kv.lease_seconds),
+            "--kv-load-failure-policy", kv.load_failure_policy,
+            "--kv-side-channel-host", "$(POD_IP)", "--kv-side-channel-port", str(SIDE_CHANNEL_PORT)]
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if r.tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(r.tensor_parallel_size)]
+    return args + list(r.extra_args)
+
+
+def _downward_env() -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+    return [{"name": "POD_IP", "valueFrom": field("status.podIP")},
+            {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+            {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")}]
+
+
+def _user_env(env: list[s.EnvVar]) -> list[dict[str, Any]]:
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
+
+
+def _resources(res: s.Resources, gpus: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
+    if gpus:  # extended resources: request must equal limit
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _placement(p: s.PodPlacement) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if p.node_selector:
+        out["nodeSelector"] = dict(p.node_selector)
+    if p.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in p.tolerations]
+    if p.affinity is not None:
+        out["affinity"] = p.affinity.model_dump(by_alias=True)
+    return out
+
+
+def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, mounts, env) for the model source."""
+    src = spec.model.source
+    if src.pvc is not None:
+        return ([{"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}],
+                [{"name": "model", "mountPath": MODELS_DIR, "readOnly": True}], [])
+    if src.hugging_face is not None or src.uri is not None:
+        return ([{"name": "cache", "emptyDir": {}}], [{"name": "cache", "mountPath": CACHE_DIR}],
+                [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}])
+    return [], [], []
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str, Any]:
+    template = {"metadata": {"labels": labels}, "spec": pod_spec}
+    template["metadata"]["annotations"] = {ANNOTATION_CONFIG_HASH: stable_hash(template)}
+    return template
+
+
+def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
+    r: s.RoleSpec = getattr(spec, role)
+    volumes, mounts, env = _model_volumes(spec)
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if r.shared_memory_size is not None:
+        shm["sizeLimit"] = str(r.shared_memory_size)
+    container: dict[str, Any] = {
+        "name": role,
+        "image": spec.image,
+        "command": ["disagg"],
+        "args": worker_args(spec, role),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"}],
+        "env": _downward_env() + env + _user_env(r.env),
+        "resources": _resources(r.resources, r.resources.gpus),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *mounts],
+        # loading weights can take long: the startup probe holds liveness off until /health answers
+        "startupProbe": _probe("/health", 10, 180),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if r.drain_delay_seconds:  # /ready turns false on SIGTERM; the wait lets the router notice first
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": shm}, *volumes],
+        "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
+        **_placement(r),
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    labels = {**common_labels(owner, role), LABEL_REVISION: serving_revision(spec)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(owner, child_name(owner, role), role),
+        "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner, role)},
+                 "template": _pod_template(labels, pod_spec)},
+    }
+
+
+# ---------------------------------------------------------------- router
+def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
+    return ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--policy", spec.router.policy,
+            "--discovery", "kubernetes", "--namespace", owner.namespace,
+            "--prefill-selector", label_selector(owner, "prefill"),
+            "--decode-selector", label_selector(owner, "decode"), *spec.router.extra_args]
+
+
+def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "router", "image": spec.image, "command": ["disagg"], "args": router_args(owner, spec),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _downward_env(),
+        "resources": _resources(spec.router.resources),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/health", 5, 2),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner, "router"), "containers": [container],
+                                **_placement(spec.router)}
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(owner, child_name(owner, "router"), "router"),
+        "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner, "router")},
+                 "template": _pod_template(common_labels(owner, "router"), pod_spec)},
+    }
+
+
+def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(owner, owner.name, "router"),
+        "spec": {"type": spec.router.service.type, "selector": selector_labels(owner, "router"),
+                 "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http",
+                            "protocol": "TCP"}]},
+    }
+
+
+def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(owner, child_name(owner, role), role),
+        "spec": {"clusterIP": "None", "selector": selector_labels(owner, role),
+                 "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                           {"name": "kv-side-channel", "port": SIDE_CHANNEL_PORT, "targetPort": "kv-side-channel",
+                            "protocol": "TCP"}]},
+    }
+
+
+def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    name = child_name(owner, "router")
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")},
+        {"apiVersion": rbac, "kind": "Role", "metadata": _metadata(owner, name, "router"),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": _metadata(owner, name, "router"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]
+
+
+# ---------------------------------------------------------------- everything
+def with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    """Stamp what the operator writes, so a later pass compares hashes instead of server-defaulted fields.
+    Deployment replicas are left out: they are compared on their own (someone may scale by hand)."""
+    out = copy.deepcopy(obj)
+    basis = copy.deepcopy(out)
+    basis.get("spec", {}).pop("replicas", None)
+    out["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = stable_hash(basis)
+    return out
+
+
+def desired_children(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """Order matters: RBAC and Services before the Deployments that use them."""
+    children = [*build_router_rbac(owner),
+                build_headless_service(owner, "prefill"), build_headless_service(owner, "decode"),
+                build_router_service(owner, spec),
+                build_worker_deployment(owner, spec, "prefill"), build_worker_deployment(owner, spec, "decode"),
+                build_router_deployment(owner, spec)]
+    return [with_applied_hash(c) for c in children]

@@ -1,0 +1,326 @@
+"""DisaggregatedInference spec and status: the single source of truth for the CRD schema, the operator,
+`disagg validate` and the local launcher (`disagg up`).
+
+Kubernetes API conventions: camelCase names, integers (never floats), units in names (`leaseSeconds`),
+conditions + observedGeneration in status, no `phase`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "disagg.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DisaggregatedInference"
+PLURAL = "disaggregatedinferences"
+SINGULAR = "disaggregatedinference"
+SHORT_NAMES = ["dinf"]
+
+# KV connectors the worker knows by name; anything else must be an out-of-tree "package.module:Class"
+KNOWN_CONNECTORS = ("NixlConnector", "SharedStorageConnector")
+# children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
+MAX_NAME_LENGTH = 55
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# Kubernetes quantity: an integer or a string like "500m", "16Gi"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class _FreeForm(BaseModel):
+    """An object passed through to Kubernetes unchanged (affinity, valueFrom)."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+
+# ---------------------------------------------------------------- model
+class PvcSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253, description="PersistentVolumeClaim holding the checkpoint.")
+    path: str = Field("", max_length=1024, description="Checkpoint directory inside the volume; empty = volume root.")
+
+
+class ModelSource(_Model):
+    """At most one member. None set (or the whole block omitted) means a tiny generated checkpoint, which only
+    the local launcher supports."""
+    model_config = ConfigDict(json_schema_extra={"maxProperties": 1})
+    hugging_face: str | None = Field(None, min_length=1, max_length=256,
+                                     description="Hugging Face repo id, passed as is; cache on an emptyDir.")
+    pvc: PvcSource | None = Field(None, description="Checkpoint on a PVC, mounted read-only at /models.")
+    path: str | None = Field(None, min_length=1, max_length=1024,
+                             description="Checkpoint directory already inside the image (or a volume).")
+    uri: str | None = Field(None, min_length=1, max_length=2048,
+                            description="URI passed as is to the worker, which fetches it into its cache.")
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> ModelSource:
+        chosen = [n for n in ("hugging_face", "pvc", "path", "uri") if getattr(self, n) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set at most one model source, got {', '.join(to_camel(n) for n in chosen)}")
+        return self
+
+    @property
+    def kind(self) -> Literal["generated", "huggingFace", "pvc", "path", "uri"]:
+        for name in ("hugging_face", "pvc", "path", "uri"):
+            if getattr(self, name) is not None:
+                return to_camel(name)  # type: ignore[return-value]
+        return "generated"
+
+
+class ModelSpec(_Model):
+    served_name: str = Field(min_length=1, max_length=256, description="Model name clients send in requests.")
+    source: ModelSource = Field(default_factory=ModelSource)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, ge=16, le=1_048_576, description="Context length in tokens.")
+
+
+# ---------------------------------------------------------------- kv transfer
+class KVTransferSpec(_Model):
+    connector: str = Field("NixlConnector", min_length=1, max_length=256,
+                           description="NixlConnector, SharedStorageConnector or 'package.module:Class'.")
+    lease_seconds: int = Field(30, ge=1, le=3600,
+                               description="Prefill frees KV blocks not read by decode within this time.")
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+# ---------------------------------------------------------------- pod scheduling bits
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    value: str | None = None
+    value_from: _FreeForm | None = None
+
+
+class Resources(_Model):
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="e.g. {cpu: 8, memory: 64Gi}")
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class WorkerResources(Resources):
+    gpus: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod (request = limit).")
+
+
+class PodPlacement(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: _FreeForm | None = None
+
+
+class RoleSpec(PodPlacement):
+    """A prefill or a decode pool."""
+    replicas: int = Field(1, ge=0, le=1000)
+    resources: WorkerResources = Field(default_factory=WorkerResources)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    env: list[EnvVar] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the worker command line.")
+    shared_memory_size: Quantity | None = Field(None, description="sizeLimit of the /dev/shm emptyDir.")
+    drain_delay_seconds: int = Field(5, ge=0, le=3600,
+                                     description="preStop wait so the router stops sending before SIGTERM.")
+    termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
+
+
+class RouterService(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class RouterSpec(PodPlacement):
+    replicas: int = Field(1, ge=0, le=100)
+    policy: Literal["least-loaded", "round-robin"] = "least-loaded"
+    service: RouterService = Field(default_factory=RouterService)
+    resources: Resources = Field(default_factory=Resources)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- autoscaling (policy lives in autoscale.py)
+class ReplicaBounds(_Model):
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(4, ge=1, le=1000)
+
+
+class MetricsSource(_Model):
+    type: Literal["scrape", "prometheus"] = "scrape"
+    prometheus_url: str | None = Field(None, max_length=2048)
+    timeout_seconds: int = Field(5, ge=1, le=60)
+
+
+class PrefillTargets(_Model):
+    waiting_requests_per_pod: int | None = Field(4, ge=1, description="vllm:num_requests_waiting per pod.")
+    time_to_first_token_milliseconds: int | None = Field(None, ge=1)
+
+
+class DecodeTargets(_Model):
+    kv_cache_usage_percent: int | None = Field(80, ge=1, le=100)
+    inter_token_latency_milliseconds: int | None = Field(None, ge=1)
+
+
+class TransferTargets(_Model):
+    kv_transfer_time_milliseconds: int | None = Field(None, ge=1)
+    pending_loads_per_pod: int | None = Field(None, ge=1, description="disagg:kv_pending_loads per decode pod.")
+    pending_sends_per_pod: int | None = Field(None, ge=1, description="disagg:kv_pending_sends per prefill pod.")
+
+
+class ScalingTargets(_Model):
+    prefill: PrefillTargets = Field(default_factory=PrefillTargets)
+    decode: DecodeTargets = Field(default_factory=DecodeTargets)
+    transfer: TransferTargets = Field(default_factory=TransferTargets)
+
+
+class Stabilization(_Model):
+    scale_up_seconds: int = Field(0, ge=0, le=3600)
+    scale_down_seconds: int = Field(300, ge=0, le=3600)
+
+
+class ReplicaRatio(_Model):
+    """prefill:decode as an integer pair, e.g. 1:4."""
+    prefill: int = Field(ge=1, le=1000)
+    decode: int = Field(ge=1, le=1000)
+
+
+class PrefillDecodeRatio(_Model):
+    min: ReplicaRatio | None = None
+    max: ReplicaRatio | None = None
+
+
+class AutoscalingSpec(_Model):
+    enabled: bool = False
+    dry_run: bool = Field(False, description="Decide and report in status, change nothing.")
+    interval_seconds: int = Field(15, ge=1, le=3600)
+    metrics_source: MetricsSource = Field(default_factory=MetricsSource)
+    prefill: ReplicaBounds = Field(default_factory=ReplicaBounds)
+    decode: ReplicaBounds = Field(default_factory=ReplicaBounds)
+    targets: ScalingTargets = Field(default_factory=ScalingTargets)
+    tolerance_percent: int = Field(10, ge=0, le=100, description="No change while |desired/current-1| is within.")
+    stabilization: Stabilization = Field(default_factory=Stabilization)
+    max_step_per_interval: int = Field(1, ge=1, le=100, description="Most replicas added/removed per role per step.")
+    prefill_decode_ratio: PrefillDecodeRatio = Field(default_factory=PrefillDecodeRatio)
+
+
+# ---------------------------------------------------------------- the spec
+class DisaggregatedInferenceSpec(_Model):
+    model: ModelSpec
+    image: str | None = Field(None, min_length=1, max_length=512,
+                              description="Worker image (entrypoint `disagg`); required on Kubernetes.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    prefill: RoleSpec = Field(default_factory=RoleSpec)
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+
+
+# ---------------------------------------------------------------- status
+class Condition(_Model):
+    type: Literal["Ready", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class RoleStatus(_Model):
+    replicas: int = 0  # pods that exist (any revision)
+    ready_replicas: int = 0  # pods passing /ready
+    updated_replicas: int = 0  # pods on the current pod template
+
+
+class LastScaling(_Model):
+    role: Literal["prefill", "decode"]
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    time: str | None = None
+    dry_run: bool = False
+
+
+class DisaggregatedInferenceStatus(_Model):
+    observed_generation: int | None = None
+    revision: str | None = Field(None, description="Serving revision; the router pairs pods of one revision.")
+    endpoint: str | None = Field(None, description="Router URL inside the cluster.")
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+    router: RoleStatus | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    last_scaling: LastScaling | None = None
+
+
+# ---------------------------------------------------------------- parsing and checks beyond the schema
+@dataclass(frozen=True)
+class Problem:
+    path: str  # e.g. "spec.autoscaling.prefill.minReplicas"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def pydantic_problems(err: ValidationError, prefix: str = "spec") -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        path = ".".join([prefix, *(str(p) if not isinstance(p, int) else f"[{p}]" for p in e["loc"])])
+        problems.append(Problem(path.replace(".[", "["), e["msg"]))
+    return problems
+
+
+def parse_spec(spec: dict[str, Any]) -> DisaggregatedInferenceSpec:
+    """Raises pydantic.ValidationError; see pydantic_problems()."""
+    return DisaggregatedInferenceSpec.model_validate(spec)
+
+
+def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kubernetes", "local"]) -> list[Problem]:
+    """What the schema accepts but cannot be served. `target` adds what only Kubernetes needs."""
+    problems: list[Problem] = []
+    conn = spec.kv_transfer.connector
+    if conn not in KNOWN_CONNECTORS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", conn):
+        problems.append(Problem("spec.kvTransfer.connector",
+                                f"unknown connector {conn!r}: expected one of {', '.join(KNOWN_CONNECTORS)} "
+                                "or 'package.module:ClassName'"))
+    a = spec.autoscaling
+    for role in ("prefill", "decode"):
+        bounds: ReplicaBounds = getattr(a, role)
+        if bounds.min_replicas > bounds.max_replicas:
+            problems.append(Problem(f"spec.autoscaling.{role}.minReplicas",
+                                    f"minReplicas {bounds.min_replicas} > maxReplicas {bounds.max_replicas}"))
+    lo, hi = a.prefill_decode_ratio.min, a.prefill_decode_ratio.max
+    if lo and hi and lo.prefill * hi.decode > hi.prefill * lo.decode:  # lo.p/lo.d > hi.p/hi.d without floats
+        problems.append(Problem("spec.autoscaling.prefillDecodeRatio",
+                                f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
+    if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
+        problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))
+    for role in ("prefill", "decode"):
+        r: RoleSpec = getattr(spec, role)
+        if r.drain_delay_seconds >= r.termination_grace_period_seconds:
+            problems.append(Problem(f"spec.{role}.drainDelaySeconds",
+                                    f"{r.drain_delay_seconds} must be below terminationGracePeriodSeconds "
+                                    f"{r.termination_grace_period_seconds}"))
+    if target == "kubernetes":
+        if not spec.image:
+            problems.append(Problem("spec.image", "required on Kubernetes (the worker image)"))
+        if spec.model.source.kind == "generated":
+            problems.append(Problem("spec.model.source",
+                                    "required on Kubernetes: set one of huggingFace, pvc, path, uri "
+                                    "(a generated checkpoint is only for `disagg up`)"))
+    return problems
+
+
+def name_problems(name: str) -> list[Problem]:
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
+        return [Problem("metadata.name", f"{name!r}: expected a DNS-1035 label of at most {MAX_NAME_LENGTH} "
+                                         "characters (lowercase letters, digits, '-', starting with a letter)")]
+    return []
