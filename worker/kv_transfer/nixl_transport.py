@@ -203,6 +203,7 @@ class NixlTransport:
                 return peer.agent_name
             self.remove_peer(metadata.engine_id)
         name = self._agent.add_remote_agent(metadata.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name  # 1.5.1 returns bytes
         self._peers[metadata.engine_id] = _Peer(metadata, name)
         logger.info("engine %s: added peer %s (agent %s)", self.engine_id, metadata.engine_id, name)
         return name
@@ -223,6 +224,11 @@ class NixlTransport:
             self._agent.remove_remote_agent(peer.agent_name)
         except Exception:  # a dead peer's agent may refuse; it is forgotten either way
             logger.warning("engine %s: remove_remote_agent(%s) failed", self.engine_id, peer.agent_name, exc_info=True)
+
+    @property
+    def num_inflight(self) -> int:
+        """Reads posted and not yet DONE, failed or released."""
+        return len(self._inflight)
 
     def validate_remote_blocks(self, peer_engine_id: str, block_ids: Sequence[int]) -> None:
         check_block_ids(block_ids, self._peer(peer_engine_id).metadata.num_blocks, f"peer {peer_engine_id}")
@@ -317,11 +323,13 @@ class NixlTransport:
 
     # -------- internals
     def _peer(self, engine_id: str) -> _Peer:
-        try:
-            return self._peers[engine_id]
-        except KeyError:
-            raise UnknownPeer(f"engine {self.engine_id}: peer {engine_id!r} not added "
-                              f"(known: {sorted(self._peers)})") from None
+        peer = self._peers.get(engine_id)
+        if peer is None:
+            raise UnknownPeer(f"engine {self.engine_id}: peer {engine_id!r} not added (known: {sorted(self._peers)})")
+        if peer.stale:
+            raise UnknownPeer(f"engine {self.engine_id}: a transfer from peer {engine_id!r} failed; "
+                              "fetch its metadata and add_peer() again")
+        return peer
 
     def _nbytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
