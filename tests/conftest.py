@@ -1,0 +1,9 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The embedded-default tiny checkpoint (random weights, real tokenizer), written once."""
+    from disagg.worker.model import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
