@@ -48,10 +48,11 @@ class LLM:
             self._drain()
             raise
         results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         while len(results) < n:
             outputs = engine.step()
             for out in outputs:
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     results[out.request_id] = out
             if not outputs and not engine.has_unfinished_requests() and len(results) < n:
                 raise RuntimeError("engine has no unfinished requests but some results are missing")

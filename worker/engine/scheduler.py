@@ -62,6 +62,7 @@ class Scheduler:
         self._delayed_free: dict[str, Request] = {}  # finished, blocks kept for a remote reader
         self._aborted_recving: dict[str, Request] = {}  # aborted while a remote load writes its blocks
         self._pending_outputs: list[EngineCoreOutput] = []  # finishes that happened outside a step
+        self.num_preemptions_total = 0  # counter for metrics
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -257,6 +258,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions_total += 1
         self._preempted_req_ids.add(req.request_id)
         self._skip_external_kv.add(req.request_id)  # its remote KV (if any) was consumed already
         self.waiting.appendleft(req)
