@@ -89,6 +89,18 @@ def test_bfloat16_loads_and_runs_close_to_float32(tiny_dir):
     torch.testing.assert_close(got, want, atol=0.05, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_through_the_paged_cache(tiny_dir, paged_kv, dtype):
+    model, config = load_model(tiny_dir, dtype=dtype)
+    kv = paged_kv(config, dtype=getattr(torch, dtype))
+    ids = [0, 40, 41, 42, 43, 44]
+    (full,) = kv.step(model, [("a", ids)])
+    kv.step(model, [("b", ids[:4])])
+    _, rest = kv.step(model, [("a", [7]), ("b", ids[4:])])  # decode + prefill over a cached prefix
+    assert kv.kv_cache.dtype == getattr(torch, dtype) and torch.isfinite(full).all()
+    torch.testing.assert_close(rest, full[4:], atol=0.05, rtol=0)
+
+
 def test_auto_dtype_follows_the_checkpoint(tmp_path):
     model, _ = load_model(write_tiny_checkpoint(tmp_path / "f16", dtype="float16"), dtype="auto")
     assert model.model.norm.weight.dtype == torch.float16
