@@ -1,0 +1,119 @@
+"""A small synchronous Kubernetes REST client for the children the operator owns.
+
+Credentials come from the `kubernetes` package's loaders (in-cluster service account, else $KUBECONFIG or
+~/.kube/config, read at call time); the same settings log kopf in, so both talk to one API server as one user.
+Objects are plain dicts; writes are JSON merge patches (lists replace, null deletes a key).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+# kind -> plural, for the kinds the operator reads or writes
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "DisaggregatedInference": "disaggregatedinferences",
+}
+TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}  # 409: a concurrent writer; the next pass re-reads
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, message: str):
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+
+class TransientApiError(ApiError):
+    """Worth retrying with backoff: server busy, conflict, connection trouble."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    server: str  # e.g. https://10.0.0.1:443
+    token: str | None = None
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    insecure: bool = False
+    namespace: str | None = None  # kubeconfig context's namespace or the pod's
+
+
+def load_connection() -> Connection:
+    """In a pod: the service account. Elsewhere: $KUBECONFIG (first path) or ~/.kube/config."""
+    from kubernetes import client, config  # the operator extra; imported late so `disagg crd` needs none of it
+
+    cfg = client.Configuration()
+    namespace = None
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+        ns_file = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+        namespace = open(ns_file).read().strip() if os.path.exists(ns_file) else None
+    else:
+        path = (os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")).split(os.pathsep)[0]
+        config.load_kube_config(config_file=path, client_configuration=cfg)
+        _, active = config.list_kube_config_contexts(config_file=path)
+        namespace = (active or {}).get("context", {}).get("namespace")
+    auth = cfg.get_api_key_with_prefix("authorization") or cfg.get_api_key_with_prefix("BearerToken")
+    token = auth.split(" ", 1)[1] if auth and auth.lower().startswith("bearer ") else None
+    return Connection(server=cfg.host, token=token, ca_path=cfg.ssl_ca_cert, cert_path=cfg.cert_file,
+                      key_path=cfg.key_file, insecure=not cfg.verify_ssl, namespace=namespace)
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
+class KubeClient:
+    def __init__(self, connection: Connection, timeout_seconds: float = 10.0):
+        verify: Any = False if connection.insecure else (connection.ca_path or True)
+        cert = (connection.cert_path, connection.key_path) if connection.cert_path else None
+        headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
+        self._http = httpx.Client(base_url=connection.server, verify=verify, cert=cert, headers=headers,
+                                  timeout=timeout_seconds)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        try:
+            resp = self._http.request(method, path, json=body if body is not None else None,
+                                      headers={"Content-Type": content_type} if body is not None else None)
+        except httpx.TransportError as e:
+            raise TransientApiError(0, method, path, repr(e)) from e
+        if resp.status_code >= 400:
+            try:
+                message = resp.json().get("message", resp.text)
+            except ValueError:
+                message = resp.text
+            cls = TransientApiError if resp.status_code in TRANSIENT_STATUSES else ApiError
+            raise cls(resp.status_code, method, path, str(message)[:500])
+        return resp.json() if resp.content else None
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", object_path(api_version, kind, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return self._call("POST", object_path(obj["apiVersion"], obj["kind"], meta["namespace"]), obj)
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
+              subresource: str | None = None) -> dict[str, Any]:
+        path = object_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
+        return self._call("PATCH", path, patch, "application/merge-patch+json")

@@ -1,0 +1,200 @@
+"""One level-based pass: observe the children, build the desired state, write only the difference, rebuild
+status from what the children report. Knows nothing about kopf; the clock and the API client are injected.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from disagg.operator import manifests as m
+from disagg.operator import spec as s
+
+log = logging.getLogger(__name__)
+
+ANNOTATION_LAST_APPLIED = f"{s.GROUP}/last-applied"  # JSON of what the operator last wrote to the child
+ROLES: tuple[m.Component, ...] = ("prefill", "decode", "router")
+# status keys this pass owns; anything else there (the autoscaler's lastScaling) is left alone
+OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *ROLES, "conditions")
+
+
+class Cluster(Protocol):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
+              subresource: str | None = None) -> dict[str, Any]: ...
+
+
+@dataclass
+class PassResult:
+    status: dict[str, Any]  # the status the resource now has
+    status_written: bool
+    children_written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
+    problems: list[s.Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
+
+
+# ---------------------------------------------------------------- children
+def _stamped(desired: dict[str, Any]) -> dict[str, Any]:
+    """The desired object carrying the JSON of itself in an annotation (canonical, without that annotation)."""
+    out = json.loads(json.dumps(desired))
+    text = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    out["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = text
+    return out
+
+
+def _last_applied(observed: dict[str, Any]) -> dict[str, Any]:
+    text = (observed.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_LAST_APPLIED)
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return {}
+
+
+def merge_patch(last: Any, desired: Any) -> Any:
+    """A JSON merge patch that makes the object hold `desired` and drops keys we applied before but no longer
+    want (null). Keys others set (server defaults, status) are left alone."""
+    if isinstance(last, dict) and isinstance(desired, dict):
+        out = {k: merge_patch(last.get(k), v) for k, v in desired.items()}
+        out.update({k: None for k in last if k not in desired})
+        return out
+    return desired
+
+
+def child_needs_write(desired: dict[str, Any], observed: dict[str, Any]) -> bool:
+    if _last_applied(observed) != desired:
+        return True
+    # replicas are compared live: a hand `kubectl scale` is drift the operator undoes
+    return desired["kind"] == "Deployment" and observed.get("spec", {}).get("replicas") != desired["spec"]["replicas"]
+
+
+def apply_child(cluster: Cluster, desired: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Returns (the object as the server now holds it, whether we wrote)."""
+    meta = desired["metadata"]
+    key = (desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    observed = cluster.get(*key)
+    if observed is None:
+        return cluster.create(_stamped(desired)), True  # 409 if created meanwhile: transient, next pass patches
+    if not child_needs_write(desired, observed):
+        return observed, False
+    patch = merge_patch(_last_applied(observed), desired)
+    patch["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = \
+        _stamped(desired)["metadata"]["annotations"][ANNOTATION_LAST_APPLIED]
+    return cluster.patch(*key, patch), True
+
+
+# ---------------------------------------------------------------- status
+def role_status(deployment: dict[str, Any] | None) -> dict[str, int]:
+    st = (deployment or {}).get("status") or {}
+    return {"replicas": int(st.get("replicas", 0)), "readyReplicas": int(st.get("readyReplicas", 0)),
+            "updatedReplicas": int(st.get("updatedReplicas", 0))}
+
+
+def rolled_out(deployment: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
+    """Every pod runs the template (revision) we want now. Availability is not asked: pods failing /ready
+    after a finished rollout are Degraded, not Progressing."""
+    if deployment is None:
+        return False
+    want = desired["spec"]["replicas"]
+    st = deployment.get("status") or {}
+    template_labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+    wanted_labels = desired["spec"]["template"]["metadata"]["labels"]
+    return (st.get("observedGeneration", -1) >= deployment["metadata"].get("generation", 0)
+            and template_labels.get(m.LABEL_REVISION) == wanted_labels.get(m.LABEL_REVISION)
+            and st.get("updatedReplicas", 0) == want and st.get("replicas", 0) == want)
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message,
+            "observedGeneration": generation}
+
+
+def _with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], now: datetime) -> list[dict]:
+    previous = {c.get("type"): c for c in old}
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    for c in new:
+        prev = previous.get(c["type"])
+        c["lastTransitionTime"] = prev["lastTransitionTime"] if prev and prev.get("status") == c["status"] \
+            and prev.get("lastTransitionTime") else stamp
+    return new
+
+
+def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
+                 problems: list[s.Problem], extra: dict[str, Any]) -> dict[str, Any]:
+    """Conditions without transition times; `desired` is None when the spec was rejected."""
+    status: dict[str, Any] = {"observedGeneration": generation, **extra,
+                              **{r: role_status(deployments.get(r)) for r in ROLES}}
+    if problems:
+        msg = "; ".join(str(p) for p in problems)
+        status["conditions"] = [_condition("Ready", False, "InvalidSpec", msg, generation),
+                                _condition("Progressing", False, "InvalidSpec", msg, generation),
+                                _condition("Degraded", True, "InvalidSpec", msg, generation)]
+        return status
+    assert desired is not None
+    want = {r: desired[r]["spec"]["replicas"] for r in ROLES}
+    counts = ", ".join(f"{r} {status[r]['readyReplicas']}/{want[r]}" for r in ROLES)
+    pending = [r for r in ROLES if not rolled_out(deployments.get(r), desired[r])]
+    ready = all(status[r]["readyReplicas"] >= want[r] for r in ROLES)
+    progressing = bool(pending)
+    status["conditions"] = [
+        _condition("Ready", ready, "ReplicasReady" if ready else "ReplicasNotReady", f"ready: {counts}", generation),
+        _condition("Progressing", progressing, "RolloutInProgress" if progressing else "RolloutComplete",
+                   f"rolling out: {', '.join(pending)}" if pending else "all pools run the current revision",
+                   generation),
+        _condition("Degraded", not progressing and not ready,
+                   "ReplicasUnavailable" if not progressing and not ready else "AsExpected", f"ready: {counts}",
+                   generation),
+    ]
+    return status
+
+
+# ---------------------------------------------------------------- the pass
+def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[s.Problem]]:
+    problems = s.name_problems(body["metadata"]["name"])
+    try:
+        spec = s.parse_spec(body.get("spec") or {})
+    except ValidationError as e:
+        return None, problems + s.pydantic_problems(e)
+    return spec, problems + s.semantic_problems(spec, "kubernetes")
+
+
+def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResult | None:
+    """`body` says which resource; the pass reads it afresh (a trigger's copy may predate our last status
+    write). None: the resource is gone."""
+    meta = body["metadata"]
+    body = cluster.get(s.API_VERSION, s.KIND, meta["namespace"], meta["name"])  # type: ignore[assignment]
+    if body is None:
+        return None
+    meta = body["metadata"]
+    owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    generation = int(meta.get("generation", 0))
+    spec, problems = check(body)
+    written: list[str] = []
+    deployments: dict[str, dict | None] = {}
+    desired_deployments: dict[str, dict] | None = None
+    extra: dict[str, Any] = {}
+    if problems or spec is None:
+        for r in ROLES:  # report what runs, touch nothing
+            deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
+    else:
+        desired_deployments = {}
+        for child in m.desired_children(owner, spec):
+            current, wrote = apply_child(cluster, child)
+            if wrote:
+                written.append(f"{child['kind']}/{child['metadata']['name']}")
+            if child["kind"] == "Deployment":
+                role = child["metadata"]["labels"][m.LABEL_COMPONENT]
+                deployments[role], desired_deployments[role] = current, child
+        extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}
+    old_status = body.get("status") or {}
+    status = build_status(generation, deployments, desired_deployments, problems, extra)
+    status["conditions"] = _with_transition_times(status["conditions"], old_status.get("conditions") or [], now)
+    owned = {k: v for k, v in old_status.items() if k in OWNED_STATUS_KEYS}
+    if owned == status:
+        return PassResult(old_status, False, written, problems)
+    cluster.patch(s.API_VERSION, s.KIND, owner.namespace, owner.name, {"status": merge_patch(owned, status)},
+                  subresource="status")
+    return PassResult({**old_status, **status}, True, written, problems)
