@@ -163,7 +163,8 @@ class Attention(nn.Module):
         L, S = q.shape[0], k.shape[0]
         mask = None
         if causal_offset:  # query j sits at position causal_offset + j and sees keys 0..causal_offset + j
-            mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(L, device=q.device)[:, None] + causal_offset
+            key_pos = torch.arange(S, device=q.device)[None, :]  # (1, S)
+            mask = key_pos <= torch.arange(L, device=q.device)[:, None] + causal_offset  # (L, S)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # (1, n_heads, L, hd)
             k.transpose(0, 1)[None],  # (1, n_kv_heads, S, hd)

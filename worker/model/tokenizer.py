@@ -107,10 +107,11 @@ class IncrementalDetokenizer:
     Decodes a short window of recent tokens, twice: up to the last emitted token and up to the
     new one; the difference is the delta. A delta that ends in U+FFFD is an incomplete UTF-8
     sequence (a multi-byte character split across tokens) and is held back until it completes.
-    The window (the last emitted token or prompt tokens) also keeps leading-space handling of SentencePiece-style decoders right.
+    The window (the last emitted token, or the prompt's tail) also keeps the leading-space handling
+    of SentencePiece-style decoders right.
     """
 
-    _CONTEXT_TOKENS = 5  # tokens of already-emitted text decoded again as context
+    _CONTEXT_TOKENS = 5  # prompt tokens kept as the initial context window
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
@@ -131,5 +132,14 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """At the end of the stream: whatever is still held back (an incomplete character shows as U+FFFD)."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full_text = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip_special)
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
         self.text += delta
         return delta

@@ -33,7 +33,9 @@ class PagedKV:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype)
         self.free_blocks = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(self.seed)).tolist()
 
-    def build_metadata(self, batch: list[tuple[str, list[int]]]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    def build_metadata(
+        self, batch: list[tuple[str, list[int]]]
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """batch: (req_id, new token ids), single-token requests first. -> (metadata, input_ids, positions)."""
         num_decodes = 0
         while num_decodes < len(batch) and len(batch[num_decodes][1]) == 1:

@@ -9,7 +9,12 @@ from disagg.worker.model import load_model
 
 HF_KINDS = ["llama_gqa", "llama3_rope", "linear_rope", "qwen2_tied", "mistral"]
 ATOL = 1e-4
-PROMPTS = [[5, 17, 33, 2, 81, 9, 9, 40, 12, 61, 7], [3, 14, 15, 92, 65], [71], [8, 60, 21, 44, 19, 50, 90, 1, 2, 3, 4, 5, 6, 7, 11, 13, 17, 19]]
+PROMPTS = [
+    [5, 17, 33, 2, 81, 9, 9, 40, 12, 61, 7],
+    [3, 14, 15, 92, 65],
+    [71],
+    [8, 60, 21, 44, 19, 50, 90, 1, 2, 3, 4, 5, 6, 7, 11, 13, 17, 19],
+]
 
 
 def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:

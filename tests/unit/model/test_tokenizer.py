@@ -40,6 +40,15 @@ def test_multi_byte_character_split_across_tokens_is_held_back(tok):
     assert len(ids) > 1  # four UTF-8 bytes, not a single vocabulary entry
     detok = IncrementalDetokenizer(tok)
     assert [detok.add(i) for i in ids] == [""] * (len(ids) - 1) + ["🚀"]
+    assert detok.finish() == ""
+
+
+def test_finish_releases_an_incomplete_character(tok):
+    ids = tok.encode("a🚀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids[:-1]]
+    assert "".join(deltas) == "a"
+    assert detok.finish() == "\ufffd" and detok.text == "a\ufffd"
 
 
 def test_special_tokens_are_skipped_in_streams(tok):
