@@ -143,6 +143,11 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                 "(prompt plus at least one new token must fit)"
             )
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, dict):
+                raise ValueError(f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}")
+            if self.scheduler_connector is not None:
+                self.scheduler_connector.validate_kv_transfer_params(token_ids, kv_transfer_params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

@@ -14,6 +14,7 @@ from typing import Any
 
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request, RequestStatus
+from disagg.worker.kv_transfer.base import KVTransferParamsError
 from disagg.worker.outputs import (
     CachedRequestData,
     KVConnectorOutput,
@@ -23,6 +24,8 @@ from disagg.worker.outputs import (
 )
 
 logger = logging.getLogger(__name__)
+
+_SKIP = object()  # _admit: the request is not ready this step; look at the next one
 
 
 @dataclass
@@ -151,11 +154,12 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             admitted = self._admit(req, budget)
-            if admitted is None:  # not ready (remote KV) or waits for blocks
+            if admitted is _SKIP:  # not ready yet (remote KV, handshake): let others go first
                 skipped.append(req)
-                if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS and req.status != RequestStatus.FINISHED_ERROR:
-                    break  # out of blocks or budget: keep FCFS order
                 continue
+            if admitted is None:  # out of blocks or budget: keep FCFS order
+                skipped.append(req)
+                break
             if admitted is False:  # finished with an error while admitting
                 continue
             num_new, data = admitted
@@ -180,23 +184,27 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
-    def _admit(self, req: Request, budget: int) -> tuple[int, NewRequestData] | bool | None:
-        """Allocate for one waiting request. (num_new_tokens, data) when scheduled; None when it must
-        wait; False when it finished with an error."""
+    def _admit(self, req: Request, budget: int) -> tuple[int, NewRequestData] | bool | object | None:
+        """Allocate for one waiting request. (num_new_tokens, data) when scheduled; None when it waits
+        for blocks or budget; _SKIP when it is not ready; False when it finished with an error."""
         computed_blocks: list[int] = []
         num_external, load_async = 0, False
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             if not self._update_waiting_for_remote_kv(req):
-                return False if req.is_finished() else None
+                return False if req.is_finished() else _SKIP
         fresh = req.request_id not in self.kv.req_to_blocks  # else: remote KV landed in its blocks
         if not fresh:
             num_computed = req.num_computed_tokens
         else:
             computed_blocks, num_local = self.kv.get_computed_blocks(req)
             if self.connector is not None and req.request_id not in self._skip_external_kv:
-                n, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                try:
+                    n, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                except KVTransferParamsError as e:
+                    self._finish_with_error(req, str(e))
+                    return False
                 if n is None:  # the connector cannot tell yet
-                    return None
+                    return _SKIP
                 # a synchronous load must leave one token to compute (its logits are needed)
                 num_external = n if load_async else max(0, min(n, req.num_tokens - 1 - num_local))
             num_computed = num_local + num_external
@@ -214,7 +222,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             req.num_computed_tokens = num_computed - num_external
             self._num_external_tokens[req.request_id] = num_external
-            return None
+            return _SKIP
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -346,6 +354,8 @@ class Scheduler:
     def _finish_with_error(self, req: Request, error: str) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         req.status, req.error = RequestStatus.FINISHED_ERROR, error
         self._free_request(req)
         self._pending_outputs.append(self._finish_output(req, []))

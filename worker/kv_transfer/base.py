@@ -31,6 +31,13 @@ class KVConnectorRole(enum.Enum):
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
+class KVTransferParamsError(ValueError):
+    """A request's kv_transfer_params cannot be served (malformed, out of range, incompatible peer).
+
+    Raised by the scheduler side (get_num_new_matched_tokens / validate_kv_transfer_params): the
+    request fails with this message before any block is allocated; other requests are unaffected."""
+
+
 @dataclass
 class KVTransferConfig:
     kv_connector: str | None = None  # registered name, or None for no connector
@@ -117,11 +124,15 @@ class KVConnectorBase(ABC):
         """Release connector resources (threads, registered memory, sockets)."""
 
     # ---------------- scheduler role ----------------
+    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: dict[str, Any]) -> None:
+        """Reject malformed kv_transfer_params when the request arrives (raise KVTransferParamsError)."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens available externally beyond num_computed_tokens, whether they load asynchronously).
 
-        None as the count means "not known yet, ask again next step"."""
+        None as the count means "not known yet, ask again next step". Raising KVTransferParamsError
+        fails the request with that message."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
