@@ -145,7 +145,7 @@ class ReadHandle:
 
 class NixlTransport:
     def __init__(self, engine_id: str, spec: KVCacheSpec, kv_cache: Any, *, agent_name: str | None = None,
-                 backends: Sequence[str] = ("UCX",)):
+                 backends: Sequence[str] = ("UCX",), num_threads: int = 0):
         from nixl._api import nixl_agent, nixl_agent_config  # optional dependency: import only when used
 
         _check_kv_tensor(spec, kv_cache)
@@ -155,9 +155,9 @@ class NixlTransport:
         self.device_kind = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.agent_name = agent_name or engine_id
-        self._agent: Any = nixl_agent(
-            self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-        )
+        # no progress thread: it burns a core even when idle; our calls drive progress instead
+        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends), num_threads=num_threads)
+        self._agent: Any = nixl_agent(self.agent_name, config)
         self._reg_descs: Any = None
         self._metadata: EngineMetadata | None = None
         self._peers: dict[str, _Peer] = {}  # engine_id -> peer
