@@ -1,0 +1,168 @@
+"""Prometheus metrics of a worker and of the router, each on its own CollectorRegistry (no global state).
+
+Names, types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and routers
+work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layers)
+
+LABELS = ("model_name", "role")
+
+# seconds; vLLM's buckets for request latencies
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+XFER_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine gauges read in the engine thread after a step (plain values, no engine reference)."""
+
+    num_running: int
+    num_waiting: int  # includes requests waiting for remote KV, as in vLLM
+    kv_cache_usage: float  # 0..1
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    pending_sends: int  # requests whose KV waits at this (prefill) worker to be pulled
+    pending_loads: int  # requests waiting at this (decode) worker for remote KV
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, role: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, (model_name, role)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, LABELS, registry=r).labels(*labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=r).labels(*labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*labels)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_pending_sends = gauge("disagg:kv_pending_sends", "Requests whose KV waits here to be pulled.")
+        self.kv_pending_loads = gauge("disagg:kv_pending_loads", "Requests waiting here for remote KV.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Finished requests.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             E2E_BUCKETS)
+        self.nixl_xfer_time = histogram("vllm:nixl_xfer_time_seconds", "Transfer duration for NIXL KV cache "
+                                        "transfers.", XFER_TIME_BUCKETS)
+        self.nixl_post_time = histogram("vllm:nixl_post_time_seconds", "Transfer post time for NIXL KV cache "
+                                        "transfers.", XFER_TIME_BUCKETS)
+        self.nixl_bytes = histogram("vllm:nixl_bytes_transferred", "Number of bytes transferred per NIXL KV "
+                                    "cache transfer.", BYTES_BUCKETS)
+        self.nixl_descriptors = histogram("vllm:nixl_num_descriptors", "Number of descriptors per NIXL KV cache "
+                                          "transfer.", DESCRIPTOR_BUCKETS)
+        self.nixl_failed = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers.")
+        self.nixl_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks expired unread "
+                                    "(lease).")
+        self.kv_bytes_loaded = counter("disagg:kv_bytes_loaded", "KV-cache bytes received from another worker "
+                                       "(any connector).")
+        self.kv_bytes_saved = counter("disagg:kv_bytes_saved", "KV-cache bytes written for another worker "
+                                      "(connectors that push, e.g. shared storage).")
+        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
+
+    # ---------------------------------------------------------------- engine thread
+    def update_engine(self, snap: EngineSnapshot) -> None:
+        self.num_requests_running.set(snap.num_running)
+        self.num_requests_waiting.set(snap.num_waiting)
+        self.kv_cache_usage_perc.set(snap.kv_cache_usage)
+        self.kv_pending_sends.set(snap.pending_sends)
+        self.kv_pending_loads.set(snap.pending_loads)
+        # the engine keeps cumulative totals; counters advance by the difference
+        for key, value, counter in (
+            ("preemptions", snap.num_preemptions_total, self.num_preemptions),
+            ("prompt", snap.prompt_tokens_total, self.prompt_tokens),
+            ("generation", snap.generation_tokens_total, self.generation_tokens),
+        ):
+            if value > self._last_totals[key]:
+                counter.inc(value - self._last_totals[key])
+                self._last_totals[key] = value
+
+    def observe_connector_stats(self, stats: dict[str, Any]) -> None:
+        """One step's connector stats (NIXL: lists per transfer; shared storage: byte counts). Unknown keys are
+        ignored so a new connector never breaks metrics."""
+        for value in stats.get("xfer_time_s", ()):
+            self.nixl_xfer_time.observe(value)
+        for value in stats.get("post_time_s", ()):
+            self.nixl_post_time.observe(value)
+        for value in stats.get("bytes", ()):
+            self.nixl_bytes.observe(value)
+            self.kv_bytes_loaded.inc(value)
+        for value in stats.get("num_descriptors", ()):
+            self.nixl_descriptors.observe(value)
+        if stats.get("num_failed_transfers"):
+            self.nixl_failed.inc(stats["num_failed_transfers"])
+        if stats.get("num_kv_expired_reqs"):
+            self.nixl_expired.inc(stats["num_kv_expired_reqs"])
+        if stats.get("bytes_loaded"):
+            self.kv_bytes_loaded.inc(stats["bytes_loaded"])
+        if stats.get("bytes_saved"):
+            self.kv_bytes_saved.inc(stats["bytes_saved"])
+
+    # ---------------------------------------------------------------- per request (event loop)
+    def observe_finished(self, arrival: float, first_token: float | None, finished: float) -> None:
+        """Monotonic times of one finished request."""
+        self.request_success.inc()
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+        self.e2e.observe(finished - arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RouterMetrics:
+    """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = (*LABELS, "hop")
+        self._model_name = model_name
+        self.hop_requests = Counter("disagg:router_hop_requests", "Requests sent to a worker, per hop.", labels,
+                                    registry=self.registry)
+        self.hop_errors = Counter("disagg:router_hop_errors", "Failed hops (connection error, 5xx, broken "
+                                  "stream), per hop.", labels, registry=self.registry)
+        self.hop_latency = Histogram("disagg:router_hop_latency_seconds", "Hop latency: prefill until the "
+                                     "response, decode until the last byte.", labels, buckets=E2E_BUCKETS,
+                                     registry=self.registry)
+        self.requests = Counter("disagg:router_requests", "Client requests, by outcome.",
+                                (*LABELS, "outcome"), registry=self.registry)
+        self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
+                              "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
+
+    def hop(self, hop: str, latency_s: float, error: bool) -> None:
+        self.hop_requests.labels(self._model_name, "router", hop).inc()
+        self.hop_latency.labels(self._model_name, "router", hop).observe(latency_s)
+        if error:
+            self.hop_errors.labels(self._model_name, "router", hop).inc()
+
+    def request(self, outcome: str) -> None:
+        self.requests.labels(self._model_name, "router", outcome).inc()
+
+    def first_byte(self, seconds: float) -> None:
+        self.ttft.labels(self._model_name, "router").observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

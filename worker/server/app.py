@@ -1,0 +1,247 @@
+"""The worker's HTTP API: OpenAI-compatible completions and chat (plain and SSE streaming), models,
+health, readiness and Prometheus metrics, over one EngineLoop."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from disagg.worker.metrics import CONTENT_TYPE_LATEST
+from disagg.worker.server.engine_loop import EngineLoop
+from disagg.worker.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, completion_response,
+    error_body, stream_chunk, usage, usage_chunk, validation_message,
+)
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass
+class ServerState:
+    engine_loop: EngineLoop
+    role: str  # prefill | decode | both
+    draining: bool = False
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def next_engine_id(self, request_id: str) -> str:
+        # the client's X-Request-Id may repeat; the engine's ids must not
+        return f"{request_id}#{next(self._ids)}"
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
+    loop_ = state.engine_loop
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop_.dead:
+            return JSONResponse({"status": "error", "reason": loop_.dead}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.draining:
+            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+        if not loop_.ready:
+            return JSONResponse({"ready": False, "reason": loop_.dead or "loading"}, status_code=503)
+        return JSONResponse({"ready": True, "role": state.role})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if loop_.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(loop_.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        if not loop_.ready:
+            return error_response(APIError(503, "model is loading", "service_unavailable"))
+        e = loop_.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": e.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "disagg",
+            "root": e.config.model, "max_model_len": e.max_model_len,
+        }]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(state, request, "chat")
+
+    return app
+
+
+async def _generate(state: ServerState, request: Request, kind: Kind) -> Response:
+    try:
+        job = await _admit(state, request, kind)
+    except APIError as e:
+        if e.status >= 500:
+            logger.warning("rejected a request: %s", e.message)
+        return error_response(e)
+    if job.stream:
+        return StreamingResponse(_stream(state, job), media_type="text/event-stream",
+                                 headers={"X-Request-Id": job.request_id})
+    return await _complete(state, request, job)
+
+
+@dataclass
+class _Job:
+    kind: Kind
+    request_id: str  # the client-visible id (X-Request-Id)
+    engine_id: str
+    response_id: str
+    model: str
+    stream: bool
+    include_usage: bool
+    sink: asyncio.Queue
+
+
+async def _admit(state: ServerState, request: Request, kind: Kind) -> _Job:
+    """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body."""
+    loop_ = state.engine_loop
+    if state.draining:
+        raise APIError(503, "server is draining", "service_unavailable")
+    if not loop_.ready:
+        raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
+    engine = loop_.engine
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(400, message, param=param) from None
+    if req.model is not None and req.model != engine.served_model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    check_kv_transfer_params(req.kv_transfer_params)
+    prompt_ids = _prompt_token_ids(engine, req)
+    sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    engine_id = state.next_engine_id(request_id)
+    try:
+        sink = await loop_.add(prompt_ids, sp, engine_id, req.kv_transfer_params)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), "service_unavailable") from None
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return _Job(kind, request_id, engine_id, f"{prefix}-{request_id}", engine.served_model_name, req.stream,
+                bool(req.stream_options and req.stream_options.include_usage), sink)
+
+
+def _prompt_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    tok = engine.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault (e.g. bad roles)
+            raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from None
+        return tok.encode(text, add_special_tokens=False)
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    return list(prompt)  # the engine checks the ids against the vocabulary
+
+
+def _observe(state: ServerState, out: Any, last_token_time: float | None) -> float | None:
+    """Metrics for one output; returns the new last-token time (monotonic) for inter-token latency."""
+    m, metrics = out.metrics, state.engine_loop.metrics
+    if m is None or metrics is None:
+        return last_token_time
+    if out.new_token_ids and m.last_token_time is not None:
+        if last_token_time is not None:
+            metrics.itl.observe(m.last_token_time - last_token_time)
+        last_token_time = m.last_token_time
+    if out.finished:
+        metrics.observe_finished(m.arrival_time, m.first_token_time, m.finished_time or time.monotonic())
+    return last_token_time
+
+
+async def _complete(state: ServerState, request: Request, job: _Job) -> Response:
+    async def collect() -> Any:
+        last, last_time = None, None
+        async for out in state.engine_loop.stream(job.sink):
+            last, last_time = out, _observe(state, out, last_time)
+        return last
+
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():  # the client went away
+        task.cancel()
+        state.engine_loop.abort(job.engine_id)
+        logger.info("client disconnected; aborted %s", job.engine_id)
+        return Response(status_code=499)
+    out = task.result()
+    if out is None or not out.finished:
+        return error_response(APIError(500, state.engine_loop.dead or "engine stopped", "internal_error"))
+    c = out.outputs[0]
+    if c.finish_reason == "error":
+        return error_response(APIError(500, out.error or "request failed in the engine", "internal_error"))
+    body = completion_response(job.kind, job.response_id, job.model, c.text, c.finish_reason,
+                               usage(len(out.prompt_token_ids), len(c.token_ids)), out.kv_transfer_params)
+    return JSONResponse(body, headers={"X-Request-Id": job.request_id})
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _stream(state: ServerState, job: _Job) -> AsyncIterator[bytes]:
+    finished, first, last_time = False, True, None
+    try:
+        async for out in state.engine_loop.stream(job.sink):
+            last_time = _observe(state, out, last_time)
+            c = out.outputs[0]
+            if out.finished:
+                finished = True
+                if c.finish_reason == "error":
+                    yield sse(error_body(500, out.error or "request failed in the engine", "internal_error"))
+                    break
+            if out.new_text or out.finished or (first and job.kind == "chat"):
+                reason = c.finish_reason if out.finished else None
+                yield sse(stream_chunk(job.kind, job.response_id, job.model, out.new_text, reason, first))
+                first = False
+            if out.finished and job.include_usage:
+                yield sse(usage_chunk(job.kind, job.response_id, job.model,
+                                      usage(len(out.prompt_token_ids), len(c.token_ids))))
+        if not finished:
+            yield sse(error_body(500, state.engine_loop.dead or "engine stopped", "internal_error"))
+        yield sse("[DONE]")
+    finally:
+        if not finished:  # client disconnected (generator closed) or the engine stopped
+            state.engine_loop.abort(job.engine_id)

@@ -1,0 +1,173 @@
+"""OpenAI-compatible request schemas, response builders and error bodies (the external HTTP contract)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from disagg.worker.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.type, self.param)
+
+
+def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    """(message, param) naming the first bad field."""
+    e = err.errors()[0]
+    param = ".".join(str(p) for p in e["loc"]) or None
+    return f"{param}: {e['msg']}" if param else e["msg"], param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, n=1, ...)
+
+    model: str | None = None
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    kv_transfer_params: dict[str, Any] | None = None  # P/D hand-off, as in vLLM's NIXL flow
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else max(max_model_len - num_prompt_tokens, 1)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"prompt: batches are not supported, got {len(p)} prompts; send one per "
+                               "request", param="prompt")
+            return p[0]
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}]
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def model_post_init(self, _: Any) -> None:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+
+
+_REMOTE_PREFILL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "remote_engine_id": str, "remote_block_ids": list, "remote_host": str, "remote_port": int,
+    "remote_request_id": str,
+}
+
+
+def check_kv_transfer_params(params: Any) -> None:
+    """Reject what a connector could not act on, naming the field (raises APIError 400)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise APIError(400, f"kv_transfer_params must be an object, got {type(params).__name__}",
+                       param="kv_transfer_params")
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        if flag in params and not isinstance(params[flag], bool):
+            raise APIError(400, f"kv_transfer_params.{flag} must be a boolean, got {params[flag]!r}",
+                           param=f"kv_transfer_params.{flag}")
+    if params.get("do_remote_prefill") and params.get("do_remote_decode"):
+        raise APIError(400, "kv_transfer_params: do_remote_prefill and do_remote_decode are exclusive",
+                       param="kv_transfer_params")
+    if params.get("do_remote_prefill"):
+        for name, typ in _REMOTE_PREFILL_FIELDS.items():
+            value = params.get(name)
+            if not isinstance(value, typ) or isinstance(value, bool):
+                raise APIError(400, f"kv_transfer_params.{name} must be {typ.__name__} with do_remote_prefill, "
+                               f"got {value!r}", param=f"kv_transfer_params.{name}")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in params["remote_block_ids"]):
+            raise APIError(400, "kv_transfer_params.remote_block_ids must be non-negative integers",
+                           param="kv_transfer_params.remote_block_ids")
+        if not 0 < params["remote_port"] < 65536:
+            raise APIError(400, f"kv_transfer_params.remote_port {params['remote_port']} is not a port",
+                           param="kv_transfer_params.remote_port")
+
+
+# ---------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(kind: Literal["completion", "chat"], req_id: str, model: str, text: str,
+                        finish_reason: str | None, usage_: dict[str, int],
+                        kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, "kv_transfer_params": kv_transfer_params}
+
+
+def stream_chunk(kind: Literal["completion", "chat"], req_id: str, model: str, text: str | None,
+                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: Literal["completion", "chat"], req_id: str, model: str, usage_: dict[str, int]) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage_}
