@@ -1,0 +1,181 @@
+"""Table-driven tests of the pure manifest builders."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg.operator import manifests as m
+from disagg.operator import spec as s
+
+ROOT = Path(__file__).resolve().parents[3]
+BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())["spec"]
+OWNER = m.Owner(name="llama", namespace="serving", uid="0000-1111")
+
+
+def spec_with(**changes: Any) -> s.DisaggregatedInferenceSpec:
+    raw = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node = raw
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return s.parse_spec(raw)
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg(c: dict[str, Any], flag: str) -> str | None:
+    args = c["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("source, model_arg, volume, mount, hf_home", [
+    ({"pvc": {"claimName": "models", "path": "llama"}}, "/models/llama", "persistentVolumeClaim", "/models", False),
+    ({"pvc": {"claimName": "models"}}, "/models", "persistentVolumeClaim", "/models", False),
+    ({"huggingFace": "Qwen/Qwen2.5-0.5B"}, "Qwen/Qwen2.5-0.5B", "emptyDir", "/cache", True),
+    ({"uri": "s3://bucket/llama"}, "s3://bucket/llama", "emptyDir", "/cache", True),
+    ({"path": "/opt/model"}, "/opt/model", None, None, False),
+])
+def test_model_source(source, model_arg, volume, mount, hf_home):
+    dep = m.build_worker_deployment(OWNER, spec_with(**{"model.source": source}), "decode")
+    c = container(dep)
+    assert arg(c, "--model") == model_arg
+    volumes = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] != "dshm"]
+    assert [next(k for k in v if k != "name") for v in volumes] == ([volume] if volume else [])
+    assert [vm["mountPath"] for vm in c["volumeMounts"] if vm["name"] != "dshm"] == ([mount] if mount else [])
+    assert any(e["name"] == "HF_HOME" for e in c["env"]) == hf_home
+
+
+@pytest.mark.parametrize("changes, flag, value", [
+    ({}, "--dtype", "bfloat16"),
+    ({"model.dtype": "auto"}, "--dtype", None),
+    ({}, "--max-model-len", "8192"),
+    ({"model.maxModelLen": None}, "--max-model-len", None),
+    ({}, "--tensor-parallel-size", None),
+    ({"decode.tensorParallelSize": 2}, "--tensor-parallel-size", "2"),
+    ({"kvTransfer.connector": "pkg.mod:Conn"}, "--kv-connector", "pkg.mod:Conn"),
+    ({"kvTransfer.leaseSeconds": 7}, "--kv-lease-seconds", "7"),
+    ({"kvTransfer.loadFailurePolicy": "fail"}, "--kv-load-failure-policy", "fail"),
+    ({}, "--kv-side-channel-port", "5600"),
+    ({}, "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct"),
+])
+def test_worker_args(changes, flag, value):
+    c = container(m.build_worker_deployment(OWNER, spec_with(**changes), "decode"))
+    assert c["command"] == ["disagg"] and c["args"][:3] == ["worker", "--role", "decode"]
+    assert arg(c, flag) == value
+
+
+def test_extra_args_come_last():
+    c = container(m.build_worker_deployment(OWNER, spec_with(), "decode"))
+    assert c["args"][-2:] == ["--max-num-seqs", "256"]
+
+
+@pytest.mark.parametrize("resources, requests, limits", [
+    ({"gpus": 2}, {"nvidia.com/gpu": "2"}, {"nvidia.com/gpu": "2"}),
+    ({"gpus": 0, "requests": {"cpu": 4}}, {"cpu": "4"}, None),
+    ({"gpus": 1, "requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi"}},
+     {"memory": "8Gi", "nvidia.com/gpu": "1"}, {"memory": "8Gi", "nvidia.com/gpu": "1"}),
+    ({}, None, None),
+])
+def test_gpu_and_resources(resources, requests, limits):
+    c = container(m.build_worker_deployment(OWNER, spec_with(**{"prefill.resources": resources}), "prefill"))
+    assert c["resources"].get("requests") == requests
+    assert c["resources"].get("limits") == limits
+
+
+@pytest.mark.parametrize("drain, pre_stop", [(5, ["sleep", "5"]), (0, None)])
+def test_drain_and_grace(drain, pre_stop):
+    dep = m.build_worker_deployment(OWNER, spec_with(**{"prefill.drainDelaySeconds": drain,
+                                                        "prefill.terminationGracePeriodSeconds": 90}), "prefill")
+    c = container(dep)
+    assert (c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")) == pre_stop
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
+
+
+def test_worker_pod_contract():
+    dep = m.build_worker_deployment(OWNER, spec_with(), "prefill")
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert arg(c, "--kv-side-channel-host") == "$(POD_IP)"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {p["containerPort"] for p in c["ports"]} == {8000, 5600}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # the selector never includes the revision: it is immutable on a Deployment
+    assert m.LABEL_REVISION not in dep["spec"]["selector"]["matchLabels"]
+    assert dep["spec"]["template"]["metadata"]["labels"][m.LABEL_REVISION] == m.serving_revision(spec_with())
+    assert dep["metadata"]["ownerReferences"] == [OWNER.reference()]
+
+
+@pytest.mark.parametrize("changes, revision_changes, prefill_rolls, decode_rolls", [
+    ({"image": "img:2"}, True, True, True),
+    ({"model.maxModelLen": 4096}, True, True, True),
+    ({"kvTransfer.leaseSeconds": 60}, True, True, True),
+    ({"prefill.env": [{"name": "X", "value": "1"}]}, False, True, False),
+    ({"decode.replicas": 9}, False, False, False),  # scaling never rolls pods
+    ({"router.policy": "round-robin"}, False, False, False),
+])
+def test_what_rolls_which_pool(changes, revision_changes, prefill_rolls, decode_rolls):
+    before, after = spec_with(), spec_with(**changes)
+    assert (m.serving_revision(before) != m.serving_revision(after)) == revision_changes
+
+    def config_hash(spec, role):
+        return m.build_worker_deployment(OWNER, spec, role)["spec"]["template"]["metadata"]["annotations"][
+            m.ANNOTATION_CONFIG_HASH]
+    assert (config_hash(before, "prefill") != config_hash(after, "prefill")) == prefill_rolls
+    assert (config_hash(before, "decode") != config_hash(after, "decode")) == decode_rolls
+
+
+def test_router_and_services():
+    spec = spec_with(**{"router.service": {"type": "LoadBalancer", "port": 80}})
+    router = m.build_router_deployment(OWNER, spec)
+    args = container(router)["args"]
+    assert args[:1] == ["router"] and arg(container(router), "--namespace") == "serving"
+    assert arg(container(router), "--prefill-selector") == \
+        "app.kubernetes.io/name=disagg,app.kubernetes.io/instance=llama,app.kubernetes.io/component=prefill"
+    assert arg(container(router), "--policy") == "least-loaded"
+    svc = m.build_router_service(OWNER, spec)
+    assert svc["metadata"]["name"] == "llama" and svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["ports"][0]["port"] == 80
+    assert m.router_endpoint(OWNER, spec) == "http://llama.serving.svc:80"
+    headless = m.build_headless_service(OWNER, "prefill")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"][m.LABEL_COMPONENT] == "prefill"
+
+
+def test_children_are_named_labelled_and_owned():
+    children = m.desired_children(OWNER, spec_with())
+    names = [(c["kind"], c["metadata"]["name"]) for c in children]
+    assert names == [("ServiceAccount", "llama-router"), ("Role", "llama-router"), ("RoleBinding", "llama-router"),
+                     ("Service", "llama-prefill"), ("Service", "llama-decode"), ("Service", "llama"),
+                     ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-router")]
+    for c in children:
+        assert c["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+        assert c["metadata"]["labels"][m.LABEL_MANAGED_BY] == m.MANAGED_BY
+        assert c["metadata"]["namespace"] == "serving"
+
+
+def test_builders_are_deterministic():
+    assert m.desired_children(OWNER, spec_with()) == m.desired_children(OWNER, spec_with())
+
+
+def test_children_validate_against_kubernetes_schemas(tmp_path: Path):
+    pytest.importorskip("kubernetes_validate")
+    f = tmp_path / "children.yaml"
+    f.write_text(yaml.safe_dump_all(m.desired_children(OWNER, spec_with())))
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.30.0", "--quiet",
+                          str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,180 @@
+"""The reconcile pass against an in-memory cluster: what it writes, and that a settled pass writes nothing."""
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disagg.operator import reconcile as r
+from disagg.operator import spec as s
+from disagg.operator.kube import PLURALS
+
+ROOT = Path(__file__).resolve().parents[3]
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def merge(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge(out.get(k), v)
+    return out
+
+
+class FakeCluster:
+    """Stores objects by (kind, namespace, name); counts writes; bumps generation on spec changes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.writes: list[tuple[str, str, dict]] = []  # (verb, "Kind/name", body)
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        assert kind in PLURALS
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        assert key not in self.objects
+        self.writes.append(("create", f"{key[0]}/{key[2]}", obj))
+        self.objects[key] = merge(obj, {"metadata": {"generation": 1}})
+        return copy.deepcopy(self.objects[key])
+
+    def patch(self, api_version, kind, namespace, name, patch, subresource=None):
+        key = (kind, namespace, name)
+        self.writes.append(("patch" + (f"/{subresource}" if subresource else ""), f"{kind}/{name}", patch))
+        old = self.objects[key]
+        new = merge(old, patch)
+        if new.get("spec") != old.get("spec"):
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        self.objects[key] = new
+        return copy.deepcopy(new)
+
+    def add_resource(self, doc: dict[str, Any]) -> dict[str, Any]:
+        body = merge(doc, {"metadata": {"namespace": "ns", "uid": "uid-1", "generation": 1}})
+        self.objects[(s.KIND, "ns", body["metadata"]["name"])] = body
+        return body
+
+    def resource(self, name: str = "llama3-8b") -> dict[str, Any]:
+        return self.get(s.API_VERSION, s.KIND, "ns", name)  # type: ignore[return-value]
+
+    def finish_rollouts(self, ready: int | None = None) -> None:
+        for (kind, _, _), obj in self.objects.items():
+            if kind == "Deployment":
+                want = obj["spec"]["replicas"]
+                obj["status"] = {"observedGeneration": obj["metadata"]["generation"], "replicas": want,
+                                 "updatedReplicas": want, "readyReplicas": want if ready is None else ready}
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
+
+
+def run_pass(cluster: FakeCluster, now: datetime = T0) -> r.PassResult:
+    result = r.reconcile(cluster.resource(), cluster, now)
+    assert result is not None
+    return result
+
+
+def test_first_pass_creates_everything_second_pass_writes_nothing():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    first = run_pass(cluster)
+    assert len(first.children_written) == 9 and first.status_written
+    assert conditions(cluster.resource()) == {"Ready": ("False", "ReplicasNotReady"),
+                                              "Progressing": ("True", "RolloutInProgress"),
+                                              "Degraded": ("False", "AsExpected")}
+    cluster.writes.clear()
+    second = run_pass(cluster)
+    assert (second.children_written, second.status_written, cluster.writes) == ([], False, [])
+
+
+def test_status_follows_the_children_and_keeps_transition_times():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster, T0)
+    cluster.finish_rollouts()
+    run_pass(cluster, T0 + timedelta(seconds=10))
+    obj = cluster.resource()
+    assert conditions(obj) == {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "RolloutComplete"),
+                               "Degraded": ("False", "AsExpected")}
+    times = {c["type"]: c["lastTransitionTime"] for c in obj["status"]["conditions"]}
+    assert times == {"Ready": "2026-01-01T00:00:10Z", "Progressing": "2026-01-01T00:00:10Z",
+                     "Degraded": "2026-01-01T00:00:00Z"}  # Degraded stayed False: its time is kept
+    assert obj["status"]["prefill"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    assert obj["status"]["observedGeneration"] == 1
+
+    cluster.finish_rollouts(ready=0)
+    run_pass(cluster, T0 + timedelta(seconds=20))
+    assert conditions(cluster.resource())["Degraded"] == ("True", "ReplicasUnavailable")
+
+
+def test_spec_change_patches_only_what_changed_and_drops_removed_keys():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    cluster.writes.clear()
+    changed = cluster.resource()
+    del changed["spec"]["decode"]["nodeSelector"]
+    cluster.objects[(s.KIND, "ns", "llama3-8b")] = merge(changed, {"metadata": {"generation": 2}})
+    result = run_pass(cluster)
+    assert result.children_written == ["Deployment/llama3-8b-decode"]
+    patch = next(body for verb, what, body in cluster.writes if what == "Deployment/llama3-8b-decode")
+    assert patch["spec"]["template"]["spec"]["nodeSelector"] is None  # merge-patch null deletes it
+    dep = cluster.get("apps/v1", "Deployment", "ns", "llama3-8b-decode")
+    assert "nodeSelector" not in dep["spec"]["template"]["spec"]
+
+
+def test_hand_scaling_is_undone():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    cluster.objects[("Deployment", "ns", "llama3-8b-decode")]["spec"]["replicas"] = 1
+    assert run_pass(cluster).children_written == ["Deployment/llama3-8b-decode"]
+    assert cluster.get("apps/v1", "Deployment", "ns", "llama3-8b-decode")["spec"]["replicas"] == 4
+
+
+def test_invalid_spec_touches_no_child_and_reports_once():
+    cluster = FakeCluster()
+    doc = example()
+    doc["spec"]["kvTransfer"]["connector"] = "Unknown"
+    cluster.add_resource(doc)
+    first = run_pass(cluster)
+    assert first.status_written and [p.path for p in first.problems] == ["spec.kvTransfer.connector"]
+    assert [w for w in cluster.writes if w[0] != "patch/status"] == []
+    assert conditions(cluster.resource())["Degraded"] == ("True", "InvalidSpec")
+    cluster.writes.clear()
+    second = run_pass(cluster)
+    assert second.problems and not second.status_written and cluster.writes == []
+
+
+def test_other_status_keys_are_left_alone():
+    cluster = FakeCluster()
+    body = cluster.add_resource(example())
+    body["status"] = {"lastScaling": {"role": "decode", "fromReplicas": 4, "toReplicas": 5, "reason": "kv"}}
+    run_pass(cluster)
+    assert cluster.resource()["status"]["lastScaling"]["toReplicas"] == 5
+    status_patch = next(b for v, _, b in cluster.writes if v == "patch/status")
+    assert "lastScaling" not in status_patch["status"]
+
+
+def test_gone_resource_is_a_quiet_pass():
+    cluster = FakeCluster()
+    assert r.reconcile({"metadata": {"name": "x", "namespace": "ns"}}, cluster, T0) is None
+    assert cluster.writes == []
+
+
+def test_merge_patch():
+    assert r.merge_patch({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": 2}, "e": [1]}) == \
+        {"b": {"c": 2, "d": None}, "e": [1], "a": None}
