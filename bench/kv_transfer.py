@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 
 import torch
 
+from disagg.worker.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec
 from disagg.worker.kv_transfer.nixl_transport import NixlTransport, coalesce
 from disagg.worker.kv_transfer.side_channel import SideChannelServer, fetch_engine_metadata
@@ -37,20 +37,11 @@ def make_spec(num_blocks: int) -> KVCacheSpec:
                        block_size=16, num_blocks=num_blocks, dtype="bfloat16")
 
 
-_MAPPINGS: list[mmap.mmap] = []  # keep --hugepages buffers alive for the whole run
-
-
 def make_kv(spec: KVCacheSpec, seed: int, hugepages: bool = False) -> torch.Tensor:
     """Random bits: every page touched before timing, and no two pages alike (a host that merges
     identical pages, e.g. KSM, makes copies of constant-filled buffers look twice as fast)."""
     shape = (spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    if hugepages:  # transparent huge pages on request (THP "madvise" mode)
-        mapping = mmap.mmap(-1, spec.num_blocks * spec.bytes_per_block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-        _MAPPINGS.append(mapping)
-        kv = torch.frombuffer(mapping, dtype=torch.bfloat16).view(shape)
-    else:
-        kv = torch.empty(shape, dtype=torch.bfloat16)
+    kv = allocate_kv_cache(shape, torch.bfloat16, "cpu", hugepages=hugepages)  # as the engine allocates it
     g = torch.Generator().manual_seed(seed)
     kv.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g))
     return kv
@@ -102,7 +93,8 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="for the in-process copies (a READ is a single-threaded kernel copy); 0 = torch default")
     parser.add_argument("--nixl-threads", type=int, default=0, help="UCX backend worker threads (reader side)")
-    parser.add_argument("--hugepages", action="store_true", help="KV tensors on transparent huge pages")
+    parser.add_argument("--no-hugepages", dest="hugepages", action="store_false",
+                        help="KV tensors on 4 KiB pages (the engine puts its CPU KV cache on huge pages)")
     parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # owner child: num_blocks
     args = parser.parse_args()
     if args.serve:
@@ -114,7 +106,7 @@ def main() -> None:
     nblocks = args.prompt_tokens // 16
     pool = 2 * nblocks  # room for a fragmented (every other block) allocation on both sides
     spec = make_spec(pool)
-    owner_cmd = [sys.executable, __file__, "--serve", str(pool)] + (["--hugepages"] if args.hugepages else [])
+    owner_cmd = [sys.executable, __file__, "--serve", str(pool)] + ([] if args.hugepages else ["--no-hugepages"])
     owner = subprocess.Popen(owner_cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = ""

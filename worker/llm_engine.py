@@ -13,6 +13,7 @@ from disagg.worker.config import EngineConfig
 from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from disagg.worker.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
 from disagg.worker.kv_transfer.factory import create_connector
 from disagg.worker.model import Tokenizer, load_model
@@ -66,9 +67,9 @@ class LLMEngine:
             model_name=self.served_model_name, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim, block_size=config.block_size, num_blocks=num_blocks, dtype=dtype_name,
         )
-        kv_cache = torch.zeros(
+        kv_cache = allocate_kv_cache(
             (num_blocks, mc.num_hidden_layers, 2, config.block_size, mc.num_key_value_heads, mc.head_dim),
-            dtype=self.dtype, device=self.device,
+            self.dtype, self.device,
         )
         ktc = config.kv_transfer_config
         self.scheduler_connector = create_connector(ktc, KVConnectorRole.SCHEDULER, self.kv_cache_spec)
