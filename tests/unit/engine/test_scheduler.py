@@ -238,3 +238,14 @@ def test_duplicate_request_id_rejected(assert_all_free):
     with pytest.raises(ValueError, match="'a' is already in use"):
         s.add_request(make_req("a", 3))
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+
+
+def test_scheduler_side_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import disagg.worker.engine.scheduler, disagg.worker.engine.kv_cache_manager\n"
+            "import disagg.worker.kv_transfer.base, disagg.worker.outputs")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
