@@ -31,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
 
     from disagg.operator.handlers import build_registry
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.configure(verbose=args.log_level == "DEBUG")
+    # kopf installs the root log handler; ours (disagg.*) propagate to it
+    kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
+    logging.getLogger().setLevel(args.log_level)
     namespaces = list(args.namespace)
     asyncio.run(kopf.operator(
         registry=build_registry(args.resync_seconds),

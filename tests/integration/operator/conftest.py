@@ -77,6 +77,8 @@ class OperatorThread:
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatorThread]:
     with EmulatorThread() as api:
         api.emulator.declare(*CR, Kind(s.KIND, status_subresource=True, short_names=tuple(s.SHORT_NAMES)))
+        with api.client() as http:  # kopf watching named namespaces looks them up
+            http.post("/api/v1/namespaces", json={"metadata": {"name": "default"}}).raise_for_status()
         kubeconfig = tmp_path / "kubeconfig.yaml"
         kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))

@@ -186,6 +186,24 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return {(r.verb, r.group or "", r.resource) for r in self.requests if r.verb and r.resource}
 
     # ------------------------------------------------------------ request entry
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock 0.8's path parser fails on /api/v1/namespaces[/NAME] (it reads "namespaces" as a prefix)
+        parts = raw_request.path.strip("/").split("/")
+        if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+            await raw_request.read()
+            try:
+                data = await raw_request.json()
+            except ValueError:
+                data = None
+            request = kmock.Request(
+                method=raw_request.method, url=raw_request.url, params=dict(raw_request.query),
+                headers=dict(raw_request.headers), data=data, body=await raw_request.read(),
+                text=await raw_request.text(), resource=kmock.resource("", "v1", "namespaces"),
+                namespace=None, name=parts[3] if len(parts) == 4 else None, raw_request=raw_request)
+            self._requests.append(request)
+            return await self._handle(request)
+        return await super().__call__(raw_request)
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         self.requests.append(self._record(request))

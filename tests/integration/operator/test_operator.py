@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, wait_for
+from conftest import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, quiesce, wait_for
 from emulator import EmulatorThread
 
 from disagg.operator import manifests as m
@@ -277,3 +277,25 @@ def test_request_log_gives_the_operators_rbac(cluster, operator, example):
     assert not any(v == "update" or v == "delete" for v, _, _ in verbs)
     for verb, group, resource in sorted(verbs):  # shown with -s: the rules a Role for the operator needs
         print("RBAC", verb, group or "core", resource)
+
+
+def test_disagg_operator_command_runs_and_stops_on_sigint(cluster, example):
+    import signal
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "disagg.worker.cli", "operator", "--namespace", NS,
+                             "--resync-seconds", str(RESYNC_SECONDS), "--log-level", "WARNING"],
+                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        create(cluster, example)
+        wait_for(lambda: children_created(cluster) or proc.poll() is not None, 20, "children from the CLI")
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert children_created(cluster)
+        quiesce(cluster)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, proc.stdout.read() if proc.stdout else ""
