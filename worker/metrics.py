@@ -136,10 +136,10 @@ class WorkerMetrics:
 class RouterMetrics:
     """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
         labels = (*LABELS, "hop")
-        self._model_name = model_name
+        self.model_name = model_name  # "" until the router learns it from a worker
         self.hop_requests = Counter("disagg:router_hop_requests", "Requests sent to a worker, per hop.", labels,
                                     registry=self.registry)
         self.hop_errors = Counter("disagg:router_hop_errors", "Failed hops (connection error, 5xx, broken "
@@ -153,16 +153,16 @@ class RouterMetrics:
                               "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
 
     def hop(self, hop: str, latency_s: float, error: bool) -> None:
-        self.hop_requests.labels(self._model_name, "router", hop).inc()
-        self.hop_latency.labels(self._model_name, "router", hop).observe(latency_s)
+        self.hop_requests.labels(self.model_name, "router", hop).inc()
+        self.hop_latency.labels(self.model_name, "router", hop).observe(latency_s)
         if error:
-            self.hop_errors.labels(self._model_name, "router", hop).inc()
+            self.hop_errors.labels(self.model_name, "router", hop).inc()
 
     def request(self, outcome: str) -> None:
-        self.requests.labels(self._model_name, "router", outcome).inc()
+        self.requests.labels(self.model_name, "router", outcome).inc()
 
     def first_byte(self, seconds: float) -> None:
-        self.ttft.labels(self._model_name, "router").observe(seconds)
+        self.ttft.labels(self.model_name, "router").observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,319 @@
+"""`disagg up -f spec.yaml`: run a DisaggregatedInference spec on one machine - router + N prefill + M decode
+workers as local processes on free ports - until Ctrl-C or SIGTERM, leaving no child process behind.
+
+The same spec models as the operator; with no model source a tiny checkpoint is generated into a cache
+directory (the embedded default). Children run in their own session (Ctrl-C reaches only this process,
+which then drains them in order: router first, then workers) and get SIGTERM if this process dies.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import http.server
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("disagg.launcher")
+
+PR_SET_PDEATHSIG = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML (e.g. examples/local.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--port", type=int, help="router port (default: spec.router.service.port)")
+    p.add_argument("--log-dir", help="children's logs (default: a new temporary directory)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every process")
+    p.add_argument("--status-port", type=int, help="serve /health and /ready of the whole set on this port")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeat)")
+    p.add_argument("--log-level", default="INFO")
+
+
+# ---------------------------------------------------------------- ports and readiness (also used by tests)
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_ready(url: str, timeout: float = 1.0) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# ---------------------------------------------------------------- the plan (pure: spec + ports -> commands)
+@dataclass
+class ProcessSpec:
+    name: str  # prefill-0, decode-1, router
+    argv: list[str]
+    url: str  # base URL of its HTTP API
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_model_dir(spec: Any) -> str:
+    source = spec.model.source
+    if source.kind == "generated":
+        from disagg.worker.generate_cli import default_model_dir
+
+        return str(default_model_dir())
+    if source.kind == "path":
+        if not Path(source.path, "config.json").is_file():
+            raise ValueError(f"spec.model.source.path: {source.path!r} is not a checkpoint directory "
+                             "(no config.json)")
+        return source.path
+    raise ValueError(f"spec.model.source.{source.kind} is not supported by `disagg up`; use path "
+                     "(a local checkpoint directory) or omit the source for the generated tiny checkpoint")
+
+
+def connector_args(connector: str, host: str, port_for: Any, kv_dir: str) -> list[str]:
+    """Per-worker KV-connector flags; `port_for()` hands out a free port."""
+    args = ["--kv-connector", connector]
+    if connector == "NixlConnector":
+        args += ["--kv-side-channel-host", host, "--kv-side-channel-port", str(port_for())]
+    elif connector == "SharedStorageConnector":
+        args += ["--kv-shared-storage-path", kv_dir]
+    return args
+
+
+def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
+         worker_args: list[str] = ()) -> list[ProcessSpec]:
+    """Workers first, the router last (it is started once the workers are up)."""
+    cli = [sys.executable, "-m", "disagg.worker.cli"]
+    kv = spec.kv_transfer
+    procs: list[ProcessSpec] = []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role in ("prefill", "decode"):
+        role_spec = getattr(spec, role)
+        for i in range(role_spec.replicas):
+            port = port_for()
+            url = f"http://{host}:{port}"
+            argv = [*cli, "worker", "--role", role, "--model", model_dir, "--served-model-name",
+                    spec.model.served_name, "--host", host, "--port", str(port), "--dtype", spec.model.dtype,
+                    "--kv-lease-seconds", str(kv.lease_seconds), "--kv-load-failure-policy",
+                    kv.load_failure_policy, *connector_args(kv.connector, host, port_for, kv_dir)]
+            if spec.model.max_model_len:
+                argv += ["--max-model-len", str(spec.model.max_model_len)]
+            argv += [*role_spec.extra_args, *worker_args]
+            env = {e.name: e.value for e in role_spec.env if e.value is not None}
+            procs.append(ProcessSpec(f"{role}-{i}", argv, url, env))
+            urls[role].append(url)
+    router = [*cli, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
+              "--prefill", *urls["prefill"], "--decode", *urls["decode"], *spec.router.extra_args]
+    procs.append(ProcessSpec("router", router, f"http://{host}:{router_port}"))
+    return procs
+
+
+def curl_example(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "Hello, world", "max_tokens": 16, "temperature": 0})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+# ---------------------------------------------------------------- processes
+def _die_with_parent() -> None:
+    # the child gets SIGTERM if the launcher dies without cleaning up (Linux)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class LocalProcess:
+    def __init__(self, spec: ProcessSpec, log_dir: Path):
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.popen: subprocess.Popen | None = None
+        self.started_at = 0.0
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        log.close()
+        self.started_at = time.monotonic()
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def terminate(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.Event, say: Any) -> bool:
+    pending = list(procs)
+    last_note = time.monotonic()
+    while pending and not stop.is_set():
+        for p in list(pending):
+            rc = p.exited()
+            if rc is not None:
+                say(f"  {p.spec.name} exited with status {rc} while starting; last log lines "
+                    f"({p.log_path}):\n{p.log_tail()}")
+                return False
+            if is_ready(p.spec.url, timeout=0.5):
+                pending.remove(p)
+                say(f"  {p.spec.name:<10} ready  {p.spec.url}  ({time.monotonic() - p.started_at:.1f}s)")
+        if time.monotonic() > deadline:
+            say(f"  timed out waiting for {', '.join(p.spec.name for p in pending)}; see {procs[0].log_path.parent}")
+            return False
+        if pending and time.monotonic() - last_note > 10:
+            last_note = time.monotonic()
+            say(f"  still starting: {', '.join(p.spec.name for p in pending)}")
+        stop.wait(0.2)
+    return not pending
+
+
+def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
+    """Router first (no new requests), then every worker drains; whatever outlives the grace is killed."""
+    for group in ([p for p in procs if p.spec.name == "router"], [p for p in procs if p.spec.name != "router"]):
+        for p in group:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in group:
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                say(f"  {p.spec.name} did not stop within {grace_s:.0f}s; killing it")
+                p.kill()
+
+
+class _StatusHandler(http.server.BaseHTTPRequestHandler):
+    procs: list[LocalProcess] = []
+    ready = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            code, body = 200, {"status": "ok"}
+        elif self.path == "/ready":
+            ok = self.ready.is_set() and all(p.exited() is None for p in self.procs)
+            code, body = (200 if ok else 503), {"ready": ok}
+        else:
+            code, body = 404, {"error": "not found"}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _start_status_server(host: str, port: int, procs: list[LocalProcess], ready: threading.Event) -> Any:
+    handler = type("StatusHandler", (_StatusHandler,), {"procs": procs, "ready": ready})
+    server = http.server.ThreadingHTTPServer((host, port), handler)
+    threading.Thread(target=server.serve_forever, name="status", daemon=True).start()
+    return server
+
+
+# ---------------------------------------------------------------- the command
+def load_spec(path: str) -> Any:
+    import yaml
+    from pydantic import ValidationError
+
+    from disagg.operator.spec import parse_spec, pydantic_problems, semantic_problems
+
+    doc = yaml.safe_load(Path(path).read_text())
+    if not isinstance(doc, dict) or "spec" not in doc:
+        raise ValueError(f"{path}: expected a DisaggregatedInference document with a 'spec'")
+    try:
+        spec = parse_spec(doc["spec"])
+    except ValidationError as e:
+        raise ValueError("\n".join(f"{path}: {p}" for p in pydantic_problems(e))) from None
+    problems = semantic_problems(spec, "local")
+    if problems:
+        raise ValueError("\n".join(f"{path}: {p}" for p in problems))
+    if spec.decode.replicas < 1:
+        raise ValueError(f"{path}: spec.decode.replicas must be >= 1 to serve locally")
+    return doc.get("metadata", {}).get("name", "local"), spec
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        name, spec = load_spec(args.file)
+        model_dir = resolve_model_dir(spec)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"disagg-{name}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    router_port = args.port if args.port is not None else spec.router.service.port
+    specs = plan(spec, model_dir, args.host, router_port, lambda: free_port(args.host), str(log_dir / "kv"),
+                 args.worker_arg)
+    procs = [LocalProcess(s, log_dir) for s in specs]
+    stop, ready = threading.Event(), threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    status = _start_status_server(args.host, args.status_port, procs, ready) if args.status_port else None
+    say(f"disagg up: {name} - {spec.prefill.replicas} prefill + {spec.decode.replicas} decode workers + router, "
+        f"{spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir})\n  logs: {log_dir}")
+    code = 0
+    try:
+        workers, router = procs[:-1], procs[-1]
+        for p in workers:
+            p.start()
+        deadline = time.monotonic() + args.startup_timeout
+        if not wait_all_ready(workers, deadline, stop, say):
+            return 0 if stop.is_set() else 1
+        router.start()
+        if not wait_all_ready([router], deadline, stop, say):
+            return 0 if stop.is_set() else 1
+        ready.set()
+        say(f"\nserving {spec.model.served_name} at {router.spec.url}  (Ctrl-C to stop)\n"
+            f"  {curl_example(router.spec.url, spec.model.served_name)}\n")
+        code = _supervise(procs, stop, say)
+    finally:
+        say("stopping ...")
+        shutdown(procs, grace_s=spec.kv_transfer.lease_seconds + 15.0, say=say)
+        if status is not None:
+            status.shutdown()
+        say("stopped")
+    return code
+
+
+def _supervise(procs: list[LocalProcess], stop: threading.Event, say: Any) -> int:
+    """Until a signal: a child that exits is reported and restarted, like a Deployment would."""
+    while not stop.wait(0.5):
+        for p in procs:
+            rc = p.exited()
+            if rc is None:
+                continue
+            say(f"  {p.spec.name} exited with status {rc}; restarting (log {p.log_path})")
+            p.start()
+    return 0

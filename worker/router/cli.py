@@ -1,0 +1,90 @@
+"""`disagg router`: the P/D proxy in front of prefill and decode workers (static URLs or Kubernetes pods)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import httpx
+import uvicorn
+
+logger = logging.getLogger("disagg.worker.router")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker base URLs")
+    p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode worker base URLs")
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default="static")
+    p.add_argument("--namespace", default="default", help="kubernetes discovery: the pods' namespace")
+    p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
+    p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
+    p.add_argument("--worker-port", type=int, default=8000, help="kubernetes discovery: the workers' HTTP port")
+    p.add_argument("--policy", choices=["least-loaded", "round-robin"], default="least-loaded")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per hop")
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds to wait for open requests after SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+
+
+class _Server(uvicorn.Server):
+    """Exit 0 after a signal-initiated graceful shutdown (uvicorn would re-raise the signal)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            logger.info("received %s: draining", signal.Signals(sig).name)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
+    from disagg.worker.metrics import RouterMetrics
+    from disagg.worker.router.discovery import KubernetesDiscovery
+    from disagg.worker.router.endpoints import EndpointPool
+    from disagg.worker.router.proxy import RouterState, build_app, probe_forever
+
+    discovery = None
+    if args.discovery == "kubernetes":
+        if not args.prefill_selector or not args.decode_selector:
+            logger.error("--discovery kubernetes needs --prefill-selector and --decode-selector")
+            return 2
+        discovery = KubernetesDiscovery(args.namespace, args.prefill_selector, args.decode_selector,
+                                        args.worker_port)
+    elif not args.decode:
+        logger.error("give at least one --decode URL (or --discovery kubernetes)")
+        return 2
+    prefill = EndpointPool("prefill", args.policy)
+    decode = EndpointPool("decode", args.policy)
+    prefill.set_urls(args.prefill)
+    decode.set_urls(args.decode)
+    state = RouterState(prefill, decode, RouterMetrics(), probe_interval_s=args.probe_interval,
+                        request_timeout_s=args.request_timeout)
+    app = build_app(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> Any:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(limits=limits) as client:
+            state.client = client
+            tasks = [asyncio.ensure_future(probe_forever(state))]
+            if discovery is not None:
+                tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
+            logger.info("routing: prefill=%s decode=%s policy=%s", args.prefill, args.decode, args.policy)
+            yield
+            for t in tasks:
+                t.cancel()
+
+    app.router.lifespan_context = lifespan
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                    timeout_graceful_shutdown=args.drain_timeout, access_log=False))
+    server.run()
+    return 0 if server.started else 1

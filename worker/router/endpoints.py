@@ -1,0 +1,51 @@
+"""Worker endpoints the router can send to, and the choice among them (pure; no I/O here)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Endpoint:
+    url: str  # base URL, e.g. http://10.0.0.5:8000
+    ready: bool = False  # last /ready probe answered 200
+    outstanding: int = 0  # requests this router has in flight there
+    consecutive_errors: int = 0  # failed hops since the last success
+
+
+@dataclass
+class EndpointPool:
+    """One role's endpoints. `pick` prefers ready endpoints with the fewest outstanding requests
+    (policy least-loaded) or rotates (round-robin); ties rotate so load spreads evenly."""
+
+    role: str  # prefill | decode
+    policy: str = "least-loaded"  # least-loaded | round-robin
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Replace the membership (discovery); known endpoints keep their state."""
+        urls = [u.rstrip("/") for u in urls]
+        self.endpoints = {u: self.endpoints.get(u) or Endpoint(u) for u in urls}
+
+    def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
+        return [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
+
+    def pick(self, exclude: set[str] = frozenset()) -> Endpoint | None:
+        candidates = self.available(exclude)
+        if not candidates:
+            return None
+        turn = next(self._turn)
+        if self.policy == "round-robin":
+            return candidates[turn % len(candidates)]
+        fewest = min(e.outstanding for e in candidates)
+        best = [e for e in candidates if e.outstanding == fewest]
+        return best[turn % len(best)]
+
+    def mark_failed(self, endpoint: Endpoint) -> None:
+        """A connection error or 5xx: stop choosing it until the next probe says it is ready."""
+        endpoint.consecutive_errors += 1
+        endpoint.ready = False
+
+    def mark_ok(self, endpoint: Endpoint) -> None:
+        endpoint.consecutive_errors = 0

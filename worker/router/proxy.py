@@ -1,0 +1,264 @@
+"""The P/D router's HTTP app: the two-hop flow (prefill with max_tokens=1 and do_remote_decode, then decode
+with the returned kv_transfer_params), streamed back to the client.
+
+Retries only where no byte reached the client: a failed prefill hop moves to another prefill endpoint
+(none left: decode alone, computing the prompt itself); a decode hop that fails before its first byte
+moves to another decode endpoint. A decode stream broken midway ends with an SSE error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from disagg.worker.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from disagg.worker.router.endpoints import Endpoint, EndpointPool
+
+logger = logging.getLogger(__name__)
+
+
+def error_json(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status)
+
+
+def sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+@dataclass
+class RouterState:
+    prefill: EndpointPool
+    decode: EndpointPool
+    metrics: RouterMetrics
+    client: httpx.AsyncClient | None = None
+    probe_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The first hop: compute the prompt, produce one token, keep the KV for the decode worker."""
+    p = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    p.pop("stream_options", None)
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    return p
+
+
+def check_max_tokens(body: dict[str, Any]) -> str | None:
+    """The prefill hop overrides max_tokens, so a bad value must be caught before it (else the prefill's KV
+    waits for a decode request that the decode worker rejects)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            return f"{name} must be an integer >= 1, got {value!r}"
+    return None
+
+
+def build_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="disagg router", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
+        body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
+        return JSONResponse(body, status_code=200 if n_decode else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for ep in state.decode.available() + state.prefill.available():
+            try:
+                r = await state.client.get(f"{ep.url}/v1/models", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return error_json(503, "no worker endpoint is ready", "service_unavailable")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await route(state, request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await route(state, request, "/v1/chat/completions")
+
+    return app
+
+
+async def route(state: RouterState, request: Request, path: str) -> Response:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        state.metrics.request("bad_request")
+        return error_json(400, f"malformed JSON body: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        state.metrics.request("bad_request")
+        return error_json(400, "request body must be a JSON object", "invalid_request_error")
+    problem = check_max_tokens(body)
+    if problem:
+        state.metrics.request("bad_request")
+        return error_json(400, problem, "invalid_request_error", problem.split(" ", 1)[0])
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
+    kv_params: dict[str, Any] | None = None
+    if state.prefill.endpoints:
+        outcome = await _prefill_hop(state, path, body, headers)
+        if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
+            state.metrics.request("bad_request")
+            return outcome
+        kv_params = outcome
+    return await _decode_hop(state, path, body, kv_params, headers, stream=bool(body.get("stream")))
+
+
+async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+    """kv_transfer_params for the decode hop; None when no prefill endpoint could do it (decode alone);
+    a Response to pass back when the prefill rejected the request (4xx)."""
+    tried: set[str] = set()
+    p_body = prefill_body(body)
+    while (ep := state.prefill.pick(tried)) is not None:
+        tried.add(ep.url)
+        ep.outstanding += 1
+        start = time.monotonic()
+        try:
+            r = await state.client.post(ep.url + path, json=p_body, headers=headers,
+                                        timeout=state.request_timeout_s)
+        except httpx.HTTPError as e:
+            _hop_failed(state, state.prefill, ep, "prefill", start, f"{type(e).__name__}: {e}")
+            continue
+        finally:
+            ep.outstanding -= 1
+        if r.status_code >= 500:
+            _hop_failed(state, state.prefill, ep, "prefill", start, f"HTTP {r.status_code}: {r.text[:200]}")
+            continue
+        state.metrics.hop("prefill", time.monotonic() - start, error=False)
+        if r.status_code >= 400:
+            return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
+        state.prefill.mark_ok(ep)
+        try:
+            return r.json().get("kv_transfer_params")
+        except (json.JSONDecodeError, AttributeError):
+            logger.warning("prefill %s answered without JSON; decoding alone", ep.url)
+            return None
+    if state.prefill.endpoints:
+        logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
+                       headers["X-Request-Id"], len(state.prefill.endpoints))
+    return None
+
+
+def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str) -> None:
+    logger.warning("%s hop to %s failed: %s", hop, ep.url, why)
+    state.metrics.hop(hop, time.monotonic() - start, error=True)
+    pool.mark_failed(ep)
+
+
+async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
+                      headers: dict[str, str], stream: bool) -> Response:
+    d_body = dict(body)
+    if kv_params:
+        d_body["kv_transfer_params"] = kv_params
+    else:
+        d_body.pop("kv_transfer_params", None)
+    tried: set[str] = set()
+    received = time.monotonic()
+    while (ep := state.decode.pick(tried)) is not None:
+        tried.add(ep.url)
+        ep.outstanding += 1
+        start = time.monotonic()
+        resp = None
+        try:
+            resp = await state.client.send(
+                state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
+                                           timeout=state.request_timeout_s), stream=True)
+            if resp.status_code >= 500:
+                await resp.aread()
+                raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
+                                            response=resp)
+            if resp.status_code >= 400 or not stream:
+                content = await resp.aread()  # a broken body here is retried: nothing was sent yet
+                await resp.aclose()
+                ep.outstanding -= 1
+                state.metrics.hop("decode", time.monotonic() - start, error=False)
+                state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
+                return Response(content, status_code=resp.status_code, media_type="application/json",
+                                headers=headers)
+            chunks = resp.aiter_raw()
+            first = await chunks.__anext__()  # before the first byte, a failure can still be retried
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            if resp is not None:
+                await resp.aclose()
+            ep.outstanding -= 1
+            _hop_failed(state, state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
+            continue
+        state.metrics.first_byte(time.monotonic() - received)
+        return StreamingResponse(_relay(state, ep, resp, first, chunks, start), media_type="text/event-stream",
+                                 headers=headers)
+    state.metrics.request("unavailable")
+    known = len(state.decode.endpoints)
+    return error_json(503, f"no decode endpoint available ({known} known, {len(tried)} tried)",
+                      "service_unavailable")
+
+
+async def _relay(state: RouterState, ep: Endpoint, resp: httpx.Response, first: bytes,
+                 chunks: AsyncIterator[bytes], start: float) -> AsyncIterator[bytes]:
+    error = False
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as e:  # the decode worker went away mid-stream: end the stream cleanly
+        error = True
+        logger.warning("decode stream from %s broke: %s: %s", ep.url, type(e).__name__, e)
+        state.decode.mark_failed(ep)
+        yield sse_error(f"decode worker {ep.url} failed mid-stream: {type(e).__name__}")
+    finally:
+        ep.outstanding -= 1
+        state.metrics.hop("decode", time.monotonic() - start, error=error)
+        state.metrics.request("upstream_error" if error else "ok")
+        await resp.aclose()
+
+
+async def probe_forever(state: RouterState) -> None:
+    """Keep each endpoint's `ready` current (GET /ready); learn the model name for metric labels."""
+    while True:
+        await probe_once(state)
+        await asyncio.sleep(state.probe_interval_s)
+
+
+async def probe_once(state: RouterState) -> None:
+    endpoints = list(state.prefill.endpoints.values()) + list(state.decode.endpoints.values())
+    await asyncio.gather(*(_probe(state, ep) for ep in endpoints))
+
+
+async def _probe(state: RouterState, ep: Endpoint) -> None:
+    try:
+        r = await state.client.get(f"{ep.url}/ready", timeout=min(2.0, state.probe_interval_s * 2))
+        ready = r.status_code == 200
+    except httpx.HTTPError:
+        ready = False
+    if ready != ep.ready:
+        logger.info("endpoint %s is %s", ep.url, "ready" if ready else "not ready")
+    ep.ready = ready
+    if ready and state.metrics.model_name == "":
+        try:
+            r = await state.client.get(f"{ep.url}/v1/models", timeout=2.0)
+            state.metrics.model_name = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            pass
