@@ -1,0 +1,153 @@
+"""The router's two-hop flow against mock workers (httpx.MockTransport): hop bodies, one X-Request-Id,
+retries, decode-alone fallback, 503 without decode, 4xx pass-through, a decode stream broken midway."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from disagg.worker.metrics import RouterMetrics
+from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.proxy import RouterState, build_app
+
+KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
+      "remote_port": 1, "remote_request_id": "r"}
+SSE = b'data: {"choices":[{"text":"hi"}]}\n\ndata: [DONE]\n\n'
+
+
+class BrokenStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"text":"a"}]}\n\n'
+        raise httpx.ReadError("connection reset")
+
+
+class SSEStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield SSE
+
+
+class Workers:
+    """Scripted workers: url -> behaviour ('ok', 'down', '500', '400', 'broken'); records every request."""
+
+    def __init__(self, behaviour: dict[str, str]):
+        self.behaviour = behaviour
+        self.seen: list[tuple[str, dict, str]] = []  # (url, body, x-request-id)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        body = json.loads(request.content)
+        self.seen.append((base, body, request.headers.get("x-request-id")))
+        mode = self.behaviour[base]
+        if mode == "down":
+            raise httpx.ConnectError("refused", request=request)
+        if mode in ("500", "400"):
+            return httpx.Response(int(mode), json={"error": {"message": mode, "code": int(mode)}})
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
+        if mode == "broken":
+            return httpx.Response(200, stream=BrokenStream(), headers={"content-type": "text/event-stream"})
+        if body.get("stream"):
+            return httpx.Response(200, stream=SSEStream(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}], "kv_transfer_params": None})
+
+
+def router(prefill: dict[str, str], decode: dict[str, str]) -> tuple[httpx.AsyncClient, Workers, RouterState]:
+    workers = Workers({**prefill, **decode})
+    pools = []
+    for role, urls in (("prefill", prefill), ("decode", decode)):
+        pool = EndpointPool(role)
+        pool.set_urls(list(urls))
+        for ep in pool.endpoints.values():
+            ep.ready = True
+        pools.append(pool)
+    state = RouterState(pools[0], pools[1], RouterMetrics("m"))
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(state)), base_url="http://router")
+    return client, workers, state
+
+
+P1, P2, D1, D2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
+
+
+@pytest.mark.asyncio
+async def test_two_hops_share_one_request_id_and_hand_over_kv_params():
+    client, workers, _ = router({P1: "ok"}, {D1: "ok"})
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream_options": {}},
+                          headers={"X-Request-Id": "abc"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    (p_url, p_body, p_id), (d_url, d_body, d_id) = workers.seen
+    assert (p_url, d_url, p_id, d_id) == (P1, D1, "abc", "abc")
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False and "stream_options" not in p_body
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert d_body["max_tokens"] == 9 and d_body["kv_transfer_params"] == KV
+    assert r.headers["x-request-id"] == "abc"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failure", ["down", "500"])
+async def test_failed_prefill_is_retried_on_another_prefill(failure):
+    client, workers, state = router({P1: failure, P2: "ok"}, {D1: "ok"})
+    state.prefill.endpoints[P2].outstanding = 5  # least-loaded picks P1 first
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 200
+    assert [u for u, _, _ in workers.seen] == [P1, P2, D1]
+    assert workers.seen[-1][1]["kv_transfer_params"] == KV
+    assert not state.prefill.endpoints[P1].ready, "a failed endpoint is skipped until the next probe"
+
+
+@pytest.mark.asyncio
+async def test_no_prefill_available_decodes_alone():
+    client, workers, _ = router({P1: "down"}, {D1: "ok"})
+    r = await client.post("/v1/chat/completions", json={"messages": [], "kv_transfer_params": {"junk": 1}})
+    assert r.status_code == 200
+    assert [u for u, _, _ in workers.seen] == [P1, D1]
+    assert "kv_transfer_params" not in workers.seen[-1][1], "decode alone computes the prompt itself"
+
+
+@pytest.mark.asyncio
+async def test_no_decode_endpoint_is_a_clear_503():
+    client, _, state = router({P1: "ok"}, {D1: "ok"})
+    state.decode.endpoints[D1].ready = False
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503
+    assert "no decode endpoint available" in r.json()["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_prefill_4xx_is_passed_back_without_a_decode_hop():
+    client, workers, _ = router({P1: "400"}, {D1: "ok"})
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and [u for u, _, _ in workers.seen] == [P1]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("body", [b"{not json", b"[1]", b'{"prompt": "x", "max_tokens": 0}'])
+async def test_bad_requests_are_rejected_before_any_hop(body):
+    client, workers, _ = router({P1: "ok"}, {D1: "ok"})
+    r = await client.post("/v1/completions", content=body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert workers.seen == []
+
+
+@pytest.mark.asyncio
+async def test_decode_failing_before_its_first_byte_is_retried_on_another_decode():
+    client, workers, state = router({P1: "ok"}, {D1: "down", D2: "ok"})
+    state.decode.endpoints[D2].outstanding = 5
+    r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 200 and r.content == SSE
+    assert [u for u, _, _ in workers.seen] == [P1, D1, D2]
+    assert state.decode.endpoints[D2].outstanding == 5, "outstanding counts are released"
+
+
+@pytest.mark.asyncio
+async def test_decode_broken_mid_stream_ends_with_an_sse_error():
+    client, _, state = router({P1: "ok"}, {D1: "broken"})
+    r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[0] == 'data: {"choices":[{"text":"a"}]}'
+    assert json.loads(events[1][len("data: "):])["error"]["code"] == 502
+    assert events[-1] == "data: [DONE]"
+    assert state.decode.endpoints[D1].outstanding == 0
+    metrics = state.metrics.render().decode()
+    assert 'disagg:router_hop_errors_total{hop="decode",model_name="m",role="router"} 1.0' in metrics
