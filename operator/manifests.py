@@ -226,7 +226,7 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
         "env": _downward_env(),
         "resources": _resources(spec.router.resources),
         "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/health", 5, 2),
+        "readinessProbe": _probe("/ready", 5, 2),  # 503 until the router sees a decode endpoint
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy

@@ -147,6 +147,7 @@ def test_router_and_services():
     assert arg(container(router), "--prefill-selector") == \
         "app.kubernetes.io/name=disagg,app.kubernetes.io/instance=llama,app.kubernetes.io/component=prefill"
     assert arg(container(router), "--policy") == "least-loaded"
+    assert container(router)["readinessProbe"]["httpGet"]["path"] == "/ready"
     svc = m.build_router_service(OWNER, spec)
     assert svc["metadata"]["name"] == "llama" and svc["spec"]["type"] == "LoadBalancer"
     assert svc["spec"]["ports"][0]["port"] == 80
