@@ -1,0 +1,118 @@
+"""Router + 1 prefill + 2 decode workers + a colocated reference worker, as processes on loopback, once per
+KV connector: greedy parity, bad input, 32 concurrent requests leaving no KV held, a decode worker killed
+mid-stream, and SIGTERM drains with exit status 0."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LONG_PROMPT = ("The history of the city begins with a small harbour and a market where fishermen sold the morning "
+               "catch to merchants from the hills")
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+def complete(url: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", **body}, timeout=60, **kw)
+
+
+def test_pd_greedy_output_matches_the_colocated_worker_and_moves_kv(pd):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = complete(pd["reference"], body).json()["choices"][0]["text"]
+    r = complete(pd["router"], body, headers={"X-Request-Id": "parity-1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    assert r.headers["x-request-id"] == "parity-1"
+    assert sum(metric(u, "disagg:kv_bytes_loaded_total") for u in pd["decodes"]) > 0, "no KV reached decode"
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b'{"prompt": "x",', 400, "malformed JSON"),
+    ({"prompt": "x", "model": "gpt-17"}, 404, "does not exist"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "word " * 600, "max_tokens": 4}, 400, "max_model_len"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "x"}}, 400,
+     "kv_transfer_params.remote_engine_id"),
+    ({"prompt": "x", "kv_transfer_params": "yes"}, 400, "kv_transfer_params"),
+])
+def test_bad_input_gets_openai_error_json_and_serving_continues(pd, body, status, needle):
+    # through the router, and (kv_transfer_params is the router's own field) at a decode worker directly
+    for url in (pd["router"], pd["decodes"][1]):
+        if isinstance(body, dict) and "kv_transfer_params" in body and url == pd["router"]:
+            continue
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{url}/v1/completions", timeout=30, **kw)
+        assert r.status_code == status, (url, r.text)
+        error = r.json()["error"]
+        assert needle in error["message"] and error["code"] == status and error["type"]
+    ok = complete(pd["router"], {"prompt": "still serving", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+async def _one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
+    body = {"model": "tiny-llama", "prompt": f"{LONG_PROMPT} number {i}", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": i % 2 == 0}
+    path = "/v1/completions"
+    if i % 3 == 0:
+        body = {**{k: v for k, v in body.items() if k != "prompt"},
+                "messages": [{"role": "user", "content": f"question {i}: {LONG_PROMPT}"}]}
+        path = "/v1/chat/completions"
+    r = await client.post(url + path, json=body, timeout=120)
+    return r.status_code, r.text
+
+
+def test_32_concurrent_requests_complete_and_leave_no_kv_held(pd):
+    async def run() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(_one(client, pd["router"], i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert [s for s, _ in results] == [200] * 32, [t for s, t in results if s != 200][:2]
+    assert all(t.rstrip().endswith("data: [DONE]") for i, (_, t) in enumerate(results) if i % 2 == 0)
+    workers = [pd["prefill"], *pd["decodes"]]
+    deadline = time.monotonic() + 30
+    while True:
+        held = {u: (metric(u, "vllm:kv_cache_usage_perc"), metric(u, "disagg:kv_pending_sends"),
+                    metric(u, "vllm:num_requests_running")) for u in workers}
+        if all(v == (0.0, 0.0, 0.0) for v in held.values()):
+            break
+        assert time.monotonic() < deadline, f"KV still held: {held}"
+        time.sleep(0.2)
+    assert metric(pd["prefill"], "vllm:time_to_first_token_seconds_count") >= 32
+
+
+def test_decode_killed_mid_stream_gives_a_clean_error_and_serving_continues(pd):
+    body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{pd['router']}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data:")))
+        victim = next(name for name, p in pd["fleet"].procs.items() if name.startswith("decode")
+                      and metric(p.spec.url, "vllm:num_requests_running") == 1)
+        pd["fleet"].procs[victim].kill()
+        pd["fleet"].killed.add(victim)
+        events += [line for line in lines if line.startswith("data:")]
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502, events[-3:]
+    assert events[-1] == "data: [DONE]"
+    # the router (retrying on the surviving decode) and the prefill keep serving
+    for i in range(4):
+        r = complete(pd["router"], {"prompt": f"after the crash {i}", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 15  # the prefill's lease is 3 s
+    while metric(pd["prefill"], "disagg:kv_pending_sends") or metric(pd["prefill"], "vllm:kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "the prefill still holds KV blocks"
+        time.sleep(0.2)
