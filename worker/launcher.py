@@ -123,6 +123,16 @@ def curl_example(url: str, model: str) -> str:
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
+def first_request(url: str, model: str) -> str:
+    """The curl example's request, sent once through the router: shows the whole P/D flow working."""
+    body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "temperature": 0}
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    except httpx.HTTPError as e:
+        return f"request failed: {type(e).__name__}: {e}"
+    return r.text if r.status_code != 200 else json.dumps({"choices": r.json()["choices"], "usage": r.json()["usage"]})
+
+
 # ---------------------------------------------------------------- processes
 def _die_with_parent() -> None:
     # the child gets SIGTERM if the launcher dies without cleaning up (Linux)
@@ -296,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
             return 0 if stop.is_set() else 1
         ready.set()
         say(f"\nserving {spec.model.served_name} at {router.spec.url}  (Ctrl-C to stop)\n"
-            f"  {curl_example(router.spec.url, spec.model.served_name)}\n")
+            f"  {curl_example(router.spec.url, spec.model.served_name)}")
+        say(f"  -> {first_request(router.spec.url, spec.model.served_name)}\n")
         code = _supervise(procs, stop, say)
     finally:
         say("stopping ...")
