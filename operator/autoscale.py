@@ -287,7 +287,10 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
     slow += [f"{failed:.0f} failed transfers"] if failed > 0 else []
 
     blocked: dict[str, str] = {}  # role -> why it does not scale up
-    if slow and not d_over and (not p_over or backlog):
+    # decode's KV also holds requests whose KV is still in flight, so with slow transfers only ITL says decode is
+    # short of compute
+    itl_over = d.itl is not None and policy.itl_seconds is not None and d.itl / policy.itl_seconds > 1 + tol
+    if slow and not itl_over and (not p_over or backlog):
         bottleneck = "TransferBound"
         rec = {"prefill": cp, "decode": cd}  # hold: more pods add no fabric bandwidth
         blocked = {"prefill": bottleneck, "decode": bottleneck}

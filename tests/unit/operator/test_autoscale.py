@@ -86,8 +86,11 @@ CASES = [
      "True"),
     ("transfer slow, prefill itself slow", {"waiting": 20}, {"kv": 0.8, "xfer": 0.5}, {}, (5, 2), "PrefillBound",
      "PrefillBound", "False"),
-    ("transfer slow, decode over", {"waiting": 8}, {"kv": 0.96, "xfer": 0.5}, {}, (2, 3), "DecodeBound",
-     "DecodeBound", "False"),
+    # decode's KV fills with requests whose KV is in flight: not a decode shortage
+    ("transfer slow, decode KV full", {"waiting": 8}, {"kv": 0.96, "xfer": 0.5}, {}, (2, 2), "TransferBound",
+     "TransferBound", "True"),
+    ("transfer slow, decode ITL over", {"waiting": 8}, {"kv": 0.8, "itl": 0.1, "xfer": 0.5}, {}, (2, 4),
+     "DecodeBound", "DecodeBound", "False"),
     ("underutilized", IDLE, {"kv": 0.2}, {}, (1, 1), None, "Underutilized", "False"),
     ("no targets but queue", {"waiting": 20}, {"kv": 0.96},
      {"waiting_requests_per_pod": None, "kv_cache_usage": None}, (2, 2), None, "WithinTolerance", "False"),
