@@ -8,8 +8,8 @@
 Capacities are measured from the real engine in this run (default) or taken from a fixed GPU profile
 (`--profile gpu`, reproducible). The trace's rate is set from the capacity so the busier pool needs about `--peak-pods`
 pods at its busiest minute; the KV fabric is sized with `--fabric-headroom` over the peak KV rate and is
-congested (x`--jam-factor`, default 0.2) for 150 s mid-morning, so a transfer-bound episode exists. SLOs: TTFT <= 15x the prefill time of a
-1024-token prompt; per-request mean ITL <= the decode step at 75% of max_num_seqs.
+congested (x`--jam-factor`, default 0.2) for 150 s mid-morning, so a transfer-bound episode exists.
+SLOs: TTFT <= 15x the prefill time of a 1024-token prompt; per-request mean ITL <= the decode step at 75% of max_num_seqs.
 
     python bench/autoscale_sim.py [--profile measured|gpu] [--duration 7200] [--seed 0]
 """
@@ -137,11 +137,12 @@ def main() -> None:
     if raw:
         print(f"  measured prefill s by prompt {raw['prefill_s_by_prompt']}, decode step s by batch "
               f"{raw['step_s_by_batch']}")
-    print(f"  prefill {cap.prefill_fixed_s * 1e3:.1f} ms + {cap.prefill_per_token_s * 1e6:.0f} us/token; decode step "
-          f"{cap.decode_step_fixed_s * 1e3:.1f} ms + {cap.decode_step_per_seq_s * 1e3:.2f} ms/seq, max {cap.decode_max_seqs} "
-          f"seqs; start-up {cap.startup_s:.0f} s")
+    print(f"  prefill {cap.prefill_fixed_s * 1e3:.1f} ms + {cap.prefill_per_token_s * 1e6:.0f} us/token; "
+          f"decode step {cap.decode_step_fixed_s * 1e3:.1f} ms + {cap.decode_step_per_seq_s * 1e3:.2f} ms/seq, "
+          f"max {cap.decode_max_seqs} seqs; start-up {cap.startup_s:.0f} s")
     print(f"trace: {len(trace)} requests over {args.duration:.0f} s, peak {peak_rps:.1f} req/s before spikes, "
-          f"{len(bursts)} spikes; fabric {bandwidth:.0f} KV tokens/s, x{args.jam_factor} during {jam[0]:.0f}-{jam[1]:.0f} s")
+          f"{len(bursts)} spikes; fabric {bandwidth:.0f} KV tokens/s, x{args.jam_factor} during "
+          f"{jam[0]:.0f}-{jam[1]:.0f} s")
     print(f"SLOs: TTFT <= {ttft_slo:.2f} s, mean ITL <= {itl_slo * 1e3:.1f} ms; static peak {p_static}P + {d_static}D")
 
     reasons: collections.Counter = collections.Counter()
