@@ -1,0 +1,183 @@
+"""P/D serving vs one colocated worker on the same machine, at fixed request rates.
+
+For each deployment - `disagg up` (router + 1 prefill + 1 decode, NIXL by default) and one `disagg worker
+--role both` - sends streaming completions with Poisson arrivals at each rate and measures, client-side,
+time to first token (TTFT) and inter-token latency (ITL), p50/p90. For P/D it also reads the decode
+worker's vllm:nixl_xfer_time_seconds to give the KV transfer's share of TTFT. Prints P/D / colocated ratios.
+
+    python bench/pd_serving.py [--rates 2 4] [--num-requests 24] [--connector NixlConnector]
+
+The deployments run one after the other so they never share the CPU. Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+from disagg.worker.launcher import free_port, is_ready
+
+CLI = [sys.executable, "-m", "disagg.worker.cli"]
+WORDS = "the history of the city begins with a small harbour and a market where fishermen sold fish".split()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)]
+
+
+def metric_sum(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+    ttft = times[0] - start
+    return ttft, [b - a for a, b in zip(times, times[1:])]
+
+
+async def run_load(url: str, rate: float, n: int, prompt_words: int, max_tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(prompt_words)) + f" {i}" for i in range(n)]
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(one_request(client, url, prompt, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    ttfts = [t for t, _ in results]
+    itls = [x for _, gaps in results for x in gaps]
+    return {"ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_mean": statistics.mean(ttfts),
+            "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9)}
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not is_ready(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{url} did not become ready")
+        time.sleep(0.2)
+
+
+def start_pd(tmp: Path, connector: str, worker_args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    doc["spec"]["kvTransfer"]["connector"] = connector
+    doc["spec"]["decode"]["replicas"] = 1
+    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
+    port = free_port()
+    out = tmp / "up.out"
+    proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / "spec.yaml"), "--port", str(port), "--log-dir",
+                             str(tmp / "logs"), *(f"--worker-arg={a}" for a in worker_args)],
+                            stdout=out.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while "serving" not in out.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"disagg up failed:\n{out.read_text()}")
+        time.sleep(0.2)
+    decode = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", out.read_text()))["decode-0"]
+    return proc, url, decode
+
+
+def start_colocated(tmp: Path, worker_args: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "worker", "--role", "both", "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "512", *worker_args],
+                            stdout=(tmp / "both.log").open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def measure(url: str, args: argparse.Namespace, decode: str | None) -> dict[float, dict]:
+    asyncio.run(run_load(url, 4, 4, args.prompt_words, 4, seed=99))  # warm-up
+    out = {}
+    for rate in args.rates:
+        before = (metric_sum(decode, "vllm:nixl_xfer_time_seconds_sum"),
+                  metric_sum(decode, "vllm:nixl_xfer_time_seconds_count")) if decode else (0, 0)
+        out[rate] = asyncio.run(run_load(url, rate, args.num_requests, args.prompt_words, args.max_tokens, seed=1))
+        if decode:
+            xfer_sum = metric_sum(decode, "vllm:nixl_xfer_time_seconds_sum") - before[0]
+            xfer_n = metric_sum(decode, "vllm:nixl_xfer_time_seconds_count") - before[1]
+            out[rate]["xfer_mean"] = xfer_sum / xfer_n if xfer_n else float("nan")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0], help="requests per second")
+    p.add_argument("--num-requests", type=int, default=24, help="per rate")
+    p.add_argument("--prompt-words", type=int, default=150, help="~2.4 tokens per word with the tiny tokenizer")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--connector", default="NixlConnector")
+    args = p.parse_args()
+    worker_args = ["--num-kv-blocks=1024"]
+    with tempfile.TemporaryDirectory(prefix="bench-pd-") as d:
+        tmp = Path(d)
+        proc, url = start_colocated(tmp, worker_args)
+        try:
+            colo = measure(url, args, None)
+        finally:
+            stop(proc)
+        proc, url, decode = start_pd(tmp, args.connector, worker_args)
+        try:
+            pd = measure(url, args, decode if args.connector == "NixlConnector" else None)
+        finally:
+            stop(proc)
+    ms = lambda s: f"{s * 1000:8.1f}"  # noqa: E731
+    print(f"\nP/D ({args.connector}, router + 1 prefill + 1 decode) vs 1 colocated worker; "
+          f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
+          f"{args.max_tokens} tokens out; times in ms")
+    print(f"{'rate/s':>7} {'setup':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>9} {'ITL p90':>9} {'KV xfer':>9}")
+    for rate in args.rates:
+        for name, r in (("colocated", colo[rate]), ("P/D", pd[rate])):
+            xfer = f"{ms(r['xfer_mean'])} ({r['xfer_mean'] / r['ttft_mean']:.1%} of TTFT)" if "xfer_mean" in r else ""
+            print(f"{rate:7.1f} {name:>10} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} {ms(r['itl_p50'])} "
+                  f"{ms(r['itl_p90'])} {xfer}")
+        c, q = colo[rate], pd[rate]
+        print(f"{rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x {q['ttft_p90'] / c['ttft_p90']:8.2f}x "
+              f"{q['itl_p50'] / c['itl_p50']:8.2f}x {q['itl_p90'] / c['itl_p90']:8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
