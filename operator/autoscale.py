@@ -63,19 +63,22 @@ def policy_from_spec(spec_autoscaling) -> AutoscalePolicy:
         prefill=RoleBounds(a.prefill.min_replicas, a.prefill.max_replicas),
         decode=RoleBounds(a.decode.min_replicas, a.decode.max_replicas),
         waiting_requests_per_pod=t.prefill.waiting_requests_per_pod,
+        waiting_prompt_tokens_per_pod=t.prefill.waiting_prompt_tokens_per_pod,
         ttft_seconds=ms(t.prefill.time_to_first_token_milliseconds),
         kv_cache_usage=None if t.decode.kv_cache_usage_percent is None else t.decode.kv_cache_usage_percent / 100,
         itl_seconds=ms(t.decode.inter_token_latency_milliseconds),
         xfer_time_seconds=ms(t.transfer.kv_transfer_time_milliseconds),
         pending_loads_per_pod=t.transfer.pending_loads_per_pod,
-        pending_sends_per_pod=t.transfer.pending_sends_per_pod or AutoscalePolicy.pending_sends_per_pod,
+        pending_sends_per_pod=t.transfer.pending_sends_per_pod,
         tolerance=a.tolerance_percent / 100,
         scale_up_window_seconds=a.stabilization.scale_up_seconds,
         scale_down_window_seconds=a.stabilization.scale_down_seconds,
         max_step=a.max_step_per_interval,
         ratio_min=ratio(a.prefill_decode_ratio.min),
         ratio_max=ratio(a.prefill_decode_ratio.max),
-        stale_after_seconds=3 * a.interval_seconds + a.metrics_source.timeout_seconds,
+        stale_after_seconds=(a.stale_after_seconds if a.stale_after_seconds is not None
+                             else 3 * a.interval_seconds + a.metrics_source.timeout_seconds),
+        latency_quantile=a.latency_percentile / 100 if a.latency_statistic == "Percentile" else None,
     )
 
 

@@ -100,7 +100,10 @@ def worker_args(spec: s.DisaggregatedInferenceSpec, role: Role) -> list[str]:
             "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--kv-connector", kv.connector, "--kv-lease-seconds", str(kv.lease_seconds),
             "--kv-load-failure-policy", kv.load_failure_policy,
-            "--kv-side-channel-host", "$(POD_IP)", "--kv-side-channel-port", str(SIDE_CHANNEL_PORT)]
+            "--kv-side-channel-host", "$(POD_IP)", "--kv-side-channel-port", str(SIDE_CHANNEL_PORT),
+            # SIGTERM drain: running requests get this long, then unread KV waits up to the lease, all inside
+            # terminationGracePeriodSeconds (after the preStop wait), so a removed pod loses no work
+            "--drain-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
     if spec.model.dtype != "auto":
         args += ["--dtype", spec.model.dtype]
     if spec.model.max_model_len is not None:

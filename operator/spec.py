@@ -25,6 +25,8 @@ SHORT_NAMES = ["dinf"]
 KNOWN_CONNECTORS = ("NixlConnector", "SharedStorageConnector")
 # children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
 MAX_NAME_LENGTH = 55
+# a pod's grace period must leave at least this for running requests after the preStop wait and the KV lease
+MIN_REQUEST_DRAIN_SECONDS = 10
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # Kubernetes quantity: an integer or a string like "500m", "16Gi"
@@ -153,13 +155,21 @@ class ReplicaBounds(_Model):
 
 
 class MetricsSource(_Model):
+    """scrape: GET http://<podIP>:<port>/metrics of every ready prefill/decode pod, port 8000 unless the pod has
+    the annotation disagg.dev/metrics-port. prometheus: instant queries against prometheusUrl."""
     type: Literal["scrape", "prometheus"] = "scrape"
     prometheus_url: str | None = Field(None, max_length=2048)
     timeout_seconds: int = Field(5, ge=1, le=60)
+    selector: str | None = Field(None, max_length=1024,
+                                 description='prometheus: extra PromQL label matchers, e.g. namespace="ml"')
+    pod_label: str = Field("pod", min_length=1, max_length=253,
+                           description="prometheus: the series label that holds the pod name.")
 
 
 class PrefillTargets(_Model):
     waiting_requests_per_pod: int | None = Field(4, ge=1, description="vllm:num_requests_waiting per pod.")
+    waiting_prompt_tokens_per_pod: int | None = Field(None, ge=1,
+                                                      description="disagg:num_waiting_prompt_tokens per pod.")
     time_to_first_token_milliseconds: int | None = Field(None, ge=1)
 
 
@@ -171,7 +181,8 @@ class DecodeTargets(_Model):
 class TransferTargets(_Model):
     kv_transfer_time_milliseconds: int | None = Field(None, ge=1)
     pending_loads_per_pod: int | None = Field(None, ge=1, description="disagg:kv_pending_loads per decode pod.")
-    pending_sends_per_pod: int | None = Field(None, ge=1, description="disagg:kv_pending_sends per prefill pod.")
+    pending_sends_per_pod: int = Field(2, ge=1, description="disagg:kv_pending_sends per prefill pod above which "
+                                       "KV waits to be pulled: decode (not prefill) is short.")
 
 
 class ScalingTargets(_Model):
@@ -208,6 +219,13 @@ class AutoscalingSpec(_Model):
     stabilization: Stabilization = Field(default_factory=Stabilization)
     max_step_per_interval: int = Field(1, ge=1, le=100, description="Most replicas added/removed per role per step.")
     prefill_decode_ratio: PrefillDecodeRatio = Field(default_factory=PrefillDecodeRatio)
+    latency_statistic: Literal["Percentile", "Mean"] = Field(
+        "Percentile", description="How TTFT, ITL and transfer-time histograms of one interval become one number.")
+    latency_percentile: int = Field(90, ge=1, le=99, description="The percentile when latencyStatistic is "
+                                    "Percentile.")
+    stale_after_seconds: int | None = Field(None, ge=1, le=86400, description="A pod's sample older than this "
+                                            "holds scaling; default 3 x intervalSeconds + metricsSource."
+                                            "timeoutSeconds.")
 
 
 # ---------------------------------------------------------------- the spec
@@ -225,8 +243,13 @@ class DisaggregatedInferenceSpec(_Model):
 
 
 # ---------------------------------------------------------------- status
+# conditions the reconcile pass owns, and those the autoscaler owns
+RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
+AUTOSCALING_CONDITIONS = ("ScalingActive", "ScalingLimited", "TransferBound")
+
+
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "ScalingActive", "ScalingLimited", "TransferBound"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
     message: str = Field("", max_length=32768)
@@ -240,13 +263,32 @@ class RoleStatus(_Model):
     updated_replicas: int = 0  # pods on the current pod template
 
 
-class LastScaling(_Model):
+class RoleScaling(_Model):
+    current: int = Field(0, ge=0, description="Deployment replicas when the autoscaler last decided.")
+    desired: int = Field(0, ge=0, description="What the autoscaler wants; the operator applies it (not in dryRun).")
+    reason: str = Field("", max_length=256, description="One CamelCase word, e.g. DecodeBound, Underutilized.")
+    limited_by: str | None = Field(None, max_length=256, description="TooFewReplicas, TooManyReplicas, "
+                                   "StepLimited or RatioBound.")
+
+
+class ScalingDecision(_Model):
+    """The last decision that changed (or, in dryRun, would change) a pool's replicas."""
+    time: str = Field(json_schema_extra={"format": "date-time"})
     role: Literal["prefill", "decode"]
-    from_replicas: int
-    to_replicas: int
-    reason: str
-    time: str | None = None
+    from_: int = Field(ge=0, alias="from")
+    to: int = Field(ge=0)
+    reason: str = Field(max_length=256)
+    bottleneck: str | None = Field(None, max_length=256)
     dry_run: bool = False
+    metrics: dict[str, str] = Field(default_factory=dict, description="The values compared with the targets, "
+                                    "as decimal strings; units in the names.")
+
+
+class AutoscalingStatus(_Model):
+    dry_run: bool = Field(False, description="The decisions below were reported, not applied.")
+    prefill: RoleScaling | None = None
+    decode: RoleScaling | None = None
+    last_decision: ScalingDecision | None = None
 
 
 class DisaggregatedInferenceStatus(_Model):
@@ -257,7 +299,7 @@ class DisaggregatedInferenceStatus(_Model):
     decode: RoleStatus | None = None
     router: RoleStatus | None = None
     conditions: list[Condition] = Field(default_factory=list)
-    last_scaling: LastScaling | None = None
+    autoscaling: AutoscalingStatus | None = None
 
 
 # ---------------------------------------------------------------- parsing and checks beyond the schema
@@ -310,12 +352,34 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
                                     f"{r.drain_delay_seconds} must be below terminationGracePeriodSeconds "
                                     f"{r.termination_grace_period_seconds}"))
     if target == "kubernetes":
+        problems += _grace_problems(spec)
         if not spec.image:
             problems.append(Problem("spec.image", "required on Kubernetes (the worker image)"))
         if spec.model.source.kind == "generated":
             problems.append(Problem("spec.model.source",
                                     "required on Kubernetes: set one of huggingFace, pvc, path, uri "
                                     "(a generated checkpoint is only for `disagg up`)"))
+    return problems
+
+
+def request_drain_seconds(spec: DisaggregatedInferenceSpec, role: str) -> int:
+    """What a pod's grace period leaves for running requests: after the preStop wait, and before the lease
+    during which a prefill pod waits for its unread KV to be pulled (the worker's SIGTERM drain)."""
+    r: RoleSpec = getattr(spec, role)
+    return r.termination_grace_period_seconds - r.drain_delay_seconds - spec.kv_transfer.lease_seconds
+
+
+def _grace_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
+    problems = []
+    for role in ("prefill", "decode"):
+        r: RoleSpec = getattr(spec, role)
+        if r.drain_delay_seconds < r.termination_grace_period_seconds \
+                and request_drain_seconds(spec, role) < MIN_REQUEST_DRAIN_SECONDS:
+            problems.append(Problem(
+                f"spec.{role}.terminationGracePeriodSeconds",
+                f"{r.termination_grace_period_seconds} must be at least drainDelaySeconds "
+                f"{r.drain_delay_seconds} + kvTransfer.leaseSeconds {spec.kv_transfer.lease_seconds} + "
+                f"{MIN_REQUEST_DRAIN_SECONDS} for running requests, so a removed pod finishes its work"))
     return problems
 
 

@@ -270,4 +270,11 @@ def test_policy_from_spec():
     assert (p.xfer_time_seconds, p.pending_loads_per_pod, p.pending_sends_per_pod) == (0.05, 8, 2.0)
     assert (p.tolerance, p.max_step, p.scale_up_window_seconds, p.scale_down_window_seconds) == (0.05, 2, 0, 120)
     assert (p.ratio_min, p.ratio_max, p.stale_after_seconds) == ((1, 4), (1, 1), 35)
+    assert (p.latency_quantile, p.waiting_prompt_tokens_per_pod) == (0.9, None)
     assert policy_from_spec(AutoscalingSpec()).kv_cache_usage == 0.8
+    tuned = policy_from_spec(AutoscalingSpec.model_validate({
+        "latencyStatistic": "Mean", "staleAfterSeconds": 7, "targets": {"prefill": {"waitingPromptTokensPerPod": 512},
+                                                                         "transfer": {"pendingSendsPerPod": 5}}}))
+    assert (tuned.latency_quantile, tuned.stale_after_seconds) == (None, 7)
+    assert (tuned.waiting_prompt_tokens_per_pod, tuned.pending_sends_per_pod) == (512, 5)
+    assert policy_from_spec(AutoscalingSpec.model_validate({"latencyPercentile": 99})).latency_quantile == 0.99

@@ -99,6 +99,8 @@ def test_drain_and_grace(drain, pre_stop):
     c = container(dep)
     assert (c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")) == pre_stop
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
+    # preStop wait + request drain + KV lease (30) fit the grace period
+    assert drain + int(arg(c, "--drain-timeout")) + 30 == 90
 
 
 def test_worker_pod_contract():

@@ -100,6 +100,8 @@ def test_schema_and_models_both_reject(changes: dict[str, Any]):
     ({"kvTransfer.connector": "FancyConnector"}, "spec.kvTransfer.connector"),
     ({"autoscaling.metricsSource": {"type": "prometheus"}}, "spec.autoscaling.metricsSource.prometheusUrl"),
     ({"prefill.drainDelaySeconds": 200}, "spec.prefill.drainDelaySeconds"),
+    # grace 120 < preStop 5 + lease 110 + 10 s for running requests
+    ({"kvTransfer.leaseSeconds": 110}, "spec.prefill.terminationGracePeriodSeconds"),
     ({"model.source": {}}, "spec.model.source"),
     ({"image": None}, "spec.image"),
 ])
@@ -152,3 +154,27 @@ def test_crd_command_writes_and_checks(tmp_path: Path):
     assert crd.run(argparse.Namespace(output_dir=tmp_path, check=False, stdout=False)) == 0
     assert crd.run(args) == 0
     assert yaml.safe_load((tmp_path / crd.FILE_NAME).read_text())["kind"] == "CustomResourceDefinition"
+
+
+def test_autoscaling_fields_and_status_block():
+    a = s.parse_spec(with_spec(**{"autoscaling.latencyStatistic": "Mean", "autoscaling.staleAfterSeconds": 20,
+                                  "autoscaling.targets": {"prefill": {"waitingPromptTokensPerPod": 4096}},
+                                  "autoscaling.metricsSource": {"type": "prometheus", "prometheusUrl": "http://p",
+                                                                "selector": 'namespace="ml"',
+                                                                "podLabel": "kubernetes_pod_name"}})["spec"]).autoscaling
+    assert (a.latency_statistic, a.latency_percentile, a.stale_after_seconds) == ("Mean", 90, 20)
+    assert a.targets.prefill.waiting_prompt_tokens_per_pod == 4096 and a.targets.transfer.pending_sends_per_pod == 2
+    assert (a.metrics_source.selector, a.metrics_source.pod_label) == ('namespace="ml"', "kubernetes_pod_name")
+    status = {"conditions": [{"type": t, "status": "True", "reason": "X"} for t in s.AUTOSCALING_CONDITIONS],
+              "autoscaling": {"dryRun": False, "prefill": {"current": 1, "desired": 2, "reason": "PrefillBound"},
+                              "decode": {"current": 2, "desired": 2, "reason": "WithinTolerance"},
+                              "lastDecision": {"time": "2026-01-01T00:00:00Z", "role": "prefill", "from": 1, "to": 2,
+                                               "reason": "PrefillBound", "bottleneck": "PrefillBound",
+                                               "metrics": {"prefillWaitingRequestsPerPod": "9"}}}}
+    assert s.DisaggregatedInferenceStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True) \
+        ["autoscaling"]["lastDecision"]["from"] == 1
+    doc = with_spec()
+    doc["status"] = status
+    assert not list(schema_validator().iter_errors(doc))
+    doc["spec"]["autoscaling"]["latencyPercentile"] = 99.5  # integers only
+    assert list(schema_validator().iter_errors(doc))
