@@ -1,0 +1,296 @@
+"""The chart's RBAC is exactly what the operator uses.
+
+For each install scope (all namespaces, listed namespaces, each with and without peering), render the chart with
+a real helm, run the operator with the rendered container args (the Dockerfile's entrypoint + `args`) against the
+operator tests' emulated API server, drive a create / readiness / update / invalid spec / delete scenario, and
+compare the API server's request log with the rendered (Cluster)Roles and bindings:
+(a) every request the operator made is allowed for the operator's ServiceAccount, in the namespace it was made in;
+(b) every granted (group, resource, verb) was requested, or is needed to grant the router's Role (Kubernetes'
+    escalation check: the operator can only create a Role with rules it holds itself); a cluster-wide grant in a
+    namespaced install must be used cluster-wide.
+Discovery (/api, /apis) is not in any rule: every authenticated user may read it (system:discovery).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "disagg-operator"
+OPERATOR_TESTS = ROOT / "tests" / "integration" / "operator"
+for path in (ROOT / "tests", OPERATOR_TESTS):  # helm_cli; the operator tests' emulator
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from emulator import EmulatorThread, Kind, RecordedRequest  # noqa: E402
+from helm_cli import template  # noqa: E402
+
+from disagg.operator import spec as s  # noqa: E402
+from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402
+
+
+def _load_operator_fixtures() -> Any:
+    """wait_for, CR and EXAMPLES from the operator tests' conftest (loaded by path: `conftest` is ambiguous)."""
+    found = importlib.util.spec_from_file_location("operator_tests_conftest", OPERATOR_TESTS / "conftest.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+fx = _load_operator_fixtures()
+CR = fx.CR  # (group, version, plural)
+DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
+RELEASE_NS = "disagg-system"
+CHILD_KINDS = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
+               ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings")]
+PEERING_KINDS = {("kopf.dev", "v1", "kopfpeerings"): Kind("KopfPeering"),
+                 ("kopf.dev", "v1", "clusterkopfpeerings"): Kind("ClusterKopfPeering", namespaced=False)}
+SCENARIOS = {  # name -> helm values arguments
+    "all-namespaces": [],
+    "namespaced": ["-f", CHART / "ci" / "namespaced-values.yaml"],
+    "all-namespaces-peering": ["-f", CHART / "ci" / "peering-values.yaml"],
+    "namespaced-peering": ["-f", CHART / "ci" / "namespaced-peering-values.yaml"],
+}
+
+
+@dataclass(frozen=True)
+class Grant:
+    group: str
+    resource: str
+    verb: str
+    namespace: str | None  # None: cluster-wide (ClusterRoleBinding)
+
+
+# ---------------------------------------------------------------- the chart's rules
+def service_account(docs: list[dict]) -> tuple[str, str]:
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")
+    return sa["metadata"]["name"], sa["metadata"]["namespace"]
+
+
+def granted(docs: list[dict]) -> set[Grant]:
+    """What the rendered bindings give the operator's ServiceAccount."""
+    sa_name, sa_ns = service_account(docs)
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d.get("rules") or []
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    out: set[Grant] = set()
+    for b in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(sub == {"kind": "ServiceAccount", "name": sa_name, "namespace": sa_ns} for sub in b["subjects"]):
+            continue
+        ns = b["metadata"]["namespace"] if b["kind"] == "RoleBinding" else None
+        ref = b["roleRef"]
+        rules = roles[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
+        for rule in rules:
+            assert not {"resourceNames", "nonResourceURLs"} & rule.keys(), rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert "*" not in (group, resource, verb), f"wildcard in {b['metadata']['name']}: {rule}"
+                        out.add(Grant(group, resource, verb, ns))
+    return out
+
+
+def request_namespace(r: RecordedRequest) -> str | None:
+    if r.resource == "namespaces":
+        return None
+    m = re.search(r"/namespaces/([^/]+)/", r.path)
+    return m.group(1) if m else None
+
+
+def allowed(r: RecordedRequest, grants: set[Grant]) -> bool:
+    ns = request_namespace(r)
+    return any((g.group, g.resource, g.verb) == (r.group or "", r.resource, r.verb) and g.namespace in (None, ns)
+               for g in grants)
+
+
+def escalation_rules(requests: list[RecordedRequest]) -> set[tuple[str, str, str]]:
+    """Rules of the Roles the operator created: it must hold them itself to create them."""
+    return {(group, resource, verb)
+            for r in requests if r.verb in ("create", "patch") and r.resource == "roles" and isinstance(r.body, dict)
+            for rule in r.body.get("rules") or []
+            for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+# ---------------------------------------------------------------- running the rendered operator
+def operator_command(docs: list[dict], pod_index: int) -> list[str]:
+    """The image's entrypoint + the rendered args, with $(VAR) expanded as the kubelet would."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"AS operator\b.*?^ENTRYPOINT (\[.*?\])", dockerfile, re.S | re.M).group(1))
+    assert entrypoint[0] == "disagg"  # the console script: disagg.worker.cli:main
+    workload = next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet"))
+    container = workload["spec"]["template"]["spec"]["containers"][0]
+    env: dict[str, str] = {}
+    for var in container.get("env") or []:
+        field = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        env[var["name"]] = str(pod_index) if field == "metadata.labels['apps.kubernetes.io/pod-index']" \
+            else var["value"]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    return [sys.executable, "-m", "disagg.worker.cli", *entrypoint[1:], *args]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def served_namespaces(command: list[str]) -> list[str]:
+    return [command[i + 1] for i, a in enumerate(command) if a == "--namespace"]
+
+
+class Driver:
+    """The test's own requests (tagged with fieldManager=DRIVER) and reads straight from the emulator's store."""
+
+    def __init__(self, api: EmulatorThread):
+        self.api, self.store = api, api.emulator
+
+    def send(self, method: str, path: str, body: Any = None, merge: bool = False) -> None:
+        headers = {"Content-Type": "application/merge-patch+json"} if merge else {}
+        with self.api.client() as http:
+            http.request(method, path, params={"fieldManager": DRIVER}, json=body, headers=headers).raise_for_status()
+
+    def cr_path(self, ns: str, name: str | None = None) -> str:
+        return f"/apis/{CR[0]}/{CR[1]}/namespaces/{ns}/{CR[2]}" + (f"/{name}" if name else "")
+
+    def deployments(self, ns: str) -> list[dict]:
+        return self.store.list_objects("apps", "v1", "deployments", ns)
+
+    @staticmethod
+    def object_path(key: tuple[str, str, str], ns: str, name: str) -> str:
+        group, version, plural = key
+        return f"{'/apis/' + group if group else '/api'}/{version}/namespaces/{ns}/{plural}/{name}"
+
+    def children(self, ns: str) -> list[tuple[tuple[str, str, str], dict]]:
+        return [(key, obj) for key in CHILD_KINDS for obj in self.store.list_objects(*key, ns)]
+
+    def condition(self, ns: str, name: str, ctype: str) -> str | None:
+        obj = self.store.get_object(*CR, ns, name) or {}
+        return next((c["status"] for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype),
+                    None)
+
+    def play_deployment_controller(self, ns: str) -> None:
+        for dep in self.deployments(ns):
+            n = dep["spec"]["replicas"]
+            self.send("PATCH", f"/apis/apps/v1/namespaces/{ns}/deployments/{dep['metadata']['name']}/status",
+                      {"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": n,
+                                  "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}}, merge=True)
+
+
+def drive(d: Driver, ns: str, example: dict[str, Any]) -> None:
+    """Create, readiness, update, an invalid spec (an Event), deletion (finalizers removed)."""
+    name = example["metadata"]["name"]
+    d.send("POST", d.cr_path(ns), example)
+    fx.wait_for(lambda: len(d.deployments(ns)) == 3, 20, "the three Deployments")
+    d.play_deployment_controller(ns)
+    fx.wait_for(lambda: d.condition(ns, name, "Ready") == "True", 10, "Ready=True")
+    d.send("PATCH", d.cr_path(ns, name), {"spec": {"image": "example/disagg-worker:0.2.0"}}, merge=True)
+    fx.wait_for(lambda: all(dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith("0.2.0")
+                            for dep in d.deployments(ns)), 10, "the new image rolled out")
+    # children written by an older operator version (another last-applied state): an upgrade patches every kind
+    old = json.dumps({"metadata": {"labels": {"older-operator": "true"}}})
+    for key, obj in d.children(ns):
+        d.send("PATCH", d.object_path(key, ns, obj["metadata"]["name"]),
+               {"metadata": {"annotations": {ANNOTATION_LAST_APPLIED: old}}}, merge=True)
+    fx.wait_for(lambda: all(obj["metadata"]["annotations"][ANNOTATION_LAST_APPLIED] != old
+                            for _, obj in d.children(ns)), 10, "every child patched to the current manifests")
+    broken = copy.deepcopy(example)
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["autoscaling"]["decode"] = {"minReplicas": 6, "maxReplicas": 2}
+    d.send("POST", d.cr_path(ns), broken)
+    fx.wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in d.store.list_objects("", "v1", "events", ns)),
+                10, "an InvalidSpec Event")
+    for gone in (name, "broken"):
+        d.send("DELETE", d.cr_path(ns, gone))
+    fx.wait_for(lambda: not d.store.list_objects(*CR, ns), 10, "finalizers removed")
+
+
+def run_operator(docs: list[dict], liveness_port: int, example: dict[str, Any],
+                 tmp_path: Path) -> list[RecordedRequest]:
+    """Run the rendered operator through the scenario; returns the operator's requests."""
+    command = operator_command(docs, pod_index=1)
+    serving = served_namespaces(command)
+    with EmulatorThread() as api:
+        api.emulator.declare(*CR, Kind(s.KIND, status_subresource=True, short_names=tuple(s.SHORT_NAMES)))
+        for key, kind in PEERING_KINDS.items():
+            api.emulator.declare(*key, kind)
+        d = Driver(api)
+        for ns in {RELEASE_NS, "default", *serving}:
+            d.send("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+        for peering in (doc for doc in docs if doc["apiVersion"] == "kopf.dev/v1"):  # the chart creates these
+            ns = peering["metadata"].get("namespace")
+            plural = "kopfpeerings" if ns else "clusterkopfpeerings"
+            d.send("POST", f"/apis/kopf.dev/v1/{f'namespaces/{ns}/' if ns else ''}{plural}", peering)
+        kubeconfig = tmp_path / "kubeconfig.yaml"
+        kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(namespace=RELEASE_NS)))
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        env["KUBECONFIG"] = str(kubeconfig)
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            drive(d, (serving or ["default"])[0], example)
+            probe = fx.wait_for(lambda: _get(f"http://127.0.0.1:{liveness_port}/healthz"), 10, "kopf's liveness")
+            assert probe == 200
+            for key in PEERING_KINDS:  # with peering, this replica announces itself with its pod-index priority
+                for peering in api.emulator.list_objects(*key):
+                    assert [p["priority"] for p in (peering.get("status") or {}).values()] == [1], peering
+            assert proc.poll() is None, "operator exited"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert proc.returncode == 0, out[-4000:]
+        return [r for r in api.emulator.requests if r.query.get("fieldManager") != DRIVER]
+
+
+def _get(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as rsp:
+            return rsp.status
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------- the test
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rbac_allows_every_operator_request_and_grants_nothing_unused(scenario, tmp_path):
+    port = free_port()
+    docs = template(CHART, tmp_path / "helm", *SCENARIOS[scenario], "--set-json", "resyncSeconds=0.3",
+                    "--set", f"livenessPort={port}", namespace=RELEASE_NS)
+    example = yaml.safe_load((fx.EXAMPLES / "llama3-8b-gpu.yaml").read_text())
+    requests = run_operator(docs, port, example, tmp_path)
+    api_requests = [r for r in requests if r.verb and r.resource]
+    grants = granted(docs)
+
+    denied = sorted({(r.verb, r.group or "core", r.resource, request_namespace(r) or "-")
+                     for r in api_requests if not allowed(r, grants)})
+    assert not denied, f"the chart does not allow these operator requests (verb, group, resource, ns): {denied}"
+
+    used = {(r.group or "", r.resource, r.verb) for r in api_requests}
+    escalation = escalation_rules(requests)
+    assert escalation, "the operator created no Role: the scenario did not exercise the router's RBAC"
+    unused = sorted({(g.group or "core", g.resource, g.verb) for g in grants} -
+                    {(g or "core", r, v) for g, r, v in used | escalation})
+    assert not unused, f"the chart grants what the operator never requested: {unused}"
+
+    if served_namespaces(operator_command(docs, 0)):  # a namespaced install: cluster-wide only where needed
+        used_cluster_wide = {(r.group or "", r.resource, r.verb) for r in api_requests if request_namespace(r) is None}
+        too_wide = sorted((g.group or "core", g.resource, g.verb) for g in grants
+                          if g.namespace is None and (g.group, g.resource, g.verb) not in used_cluster_wide)
+        assert not too_wide, f"granted cluster-wide but used only in namespaces: {too_wide}"
+    print(f"\nRBAC {scenario}: {len(api_requests)} requests, all allowed; granted = used "
+          f"{sorted(used)} + escalation {sorted(escalation)}")
