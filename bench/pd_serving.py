@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -150,6 +151,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--connector", default="NixlConnector")
     args = p.parse_args()
+    # one intra-op thread per process: on a small machine several torch processes with a thread per core
+    # each spin against one another and the tails measure that, not serving (seen: 30x swings run to run)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     worker_args = ["--num-kv-blocks=1024"]
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as d:
         tmp = Path(d)
