@@ -72,7 +72,7 @@ def run_helm(*args: str | Path, home: Path, check: bool = True) -> subprocess.Co
     return proc
 
 
-def template(chart: Path, home: Path, *args: str | Path, release: str = "disagg",
+def template(chart: Path, home: Path, *args: str | Path, release: str = "disagg-operator",
              namespace: str = "disagg-system") -> list[dict[str, Any]]:
     """`helm template` rendered to a list of objects (empty documents dropped)."""
     out = run_helm("template", release, chart, "--namespace", namespace, *args, home=home).stdout
