@@ -10,15 +10,23 @@ from disagg.worker.router.endpoints import EndpointPool
 logger = logging.getLogger(__name__)
 
 
+REVISION_LABEL = "disagg.dev/revision"  # set by the operator on worker pods
+
+
 def pod_urls(pods: list, port: int) -> list[str]:
     """Base URLs of running pods that have an IP and are not terminating (readiness is probed separately)."""
-    urls = []
+    return sorted(pod_revisions(pods, port))
+
+
+def pod_revisions(pods: list, port: int) -> dict[str, str | None]:
+    """url -> serving revision label of each running, non-terminating pod with an IP."""
+    out: dict[str, str | None] = {}
     for pod in pods:
         status, meta = pod.status, pod.metadata
         if meta.deletion_timestamp is not None or status is None or status.phase != "Running" or not status.pod_ip:
             continue
-        urls.append(f"http://{status.pod_ip}:{port}")
-    return sorted(urls)
+        out[f"http://{status.pod_ip}:{port}"] = (getattr(meta, "labels", None) or {}).get(REVISION_LABEL)
+    return out
 
 
 @dataclass
@@ -40,9 +48,9 @@ class KubernetesDiscovery:
             config.load_kube_config()
         self._api = client.CoreV1Api()
 
-    def _list(self, selector: str) -> list[str]:
+    def _list(self, selector: str) -> dict[str, str | None]:
         pods = self._api.list_namespaced_pod(self.namespace, label_selector=selector).items
-        return pod_urls(pods, self.worker_port)
+        return pod_revisions(pods, self.worker_port)
 
     async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:
         while True:
@@ -54,6 +62,6 @@ class KubernetesDiscovery:
             else:
                 if set(p_urls) != set(prefill.endpoints) or set(d_urls) != set(decode.endpoints):
                     logger.info("discovered %d prefill, %d decode endpoints", len(p_urls), len(d_urls))
-                prefill.set_urls(p_urls)
-                decode.set_urls(d_urls)
+                prefill.set_urls(list(p_urls), p_urls)
+                decode.set_urls(list(d_urls), d_urls)
             await asyncio.sleep(self.interval_s)

@@ -11,6 +11,7 @@ class Endpoint:
     ready: bool = False  # last /ready probe answered 200
     outstanding: int = 0  # requests this router has in flight there
     consecutive_errors: int = 0  # failed hops since the last success
+    revision: str | None = None  # serving revision (pod label); prefill and decode are paired by it
 
 
 @dataclass
@@ -23,16 +24,27 @@ class EndpointPool:
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
     _turn: itertools.count = field(default_factory=itertools.count)
 
-    def set_urls(self, urls: list[str]) -> None:
-        """Replace the membership (discovery); known endpoints keep their state."""
+    def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None) -> None:
+        """Replace the membership (discovery); known endpoints keep their state.
+        revisions: url -> serving revision, when discovery knows it."""
+        revisions = {u.rstrip("/"): r for u, r in (revisions or {}).items()}
         urls = [u.rstrip("/") for u in urls]
         self.endpoints = {u: self.endpoints.get(u) or Endpoint(u) for u in urls}
+        for url, endpoint in self.endpoints.items():
+            endpoint.revision = revisions.get(url)
 
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
         return [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
 
-    def pick(self, exclude: set[str] = frozenset()) -> Endpoint | None:
+    def ready_revisions(self) -> set[str | None]:
+        return {e.revision for e in self.endpoints.values() if e.ready}
+
+    def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None) -> Endpoint | None:
+        """revisions: prefer endpoints of these serving revisions when any is available (during a
+        rollout, KV moves only between prefill and decode pods that run the same model/config)."""
         candidates = self.available(exclude)
+        if revisions is not None:
+            candidates = [e for e in candidates if e.revision in revisions] or candidates
         if not candidates:
             return None
         turn = next(self._turn)

@@ -118,22 +118,26 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     kv_params: dict[str, Any] | None = None
+    revision: set[str | None] | None = None
     if state.prefill.endpoints:
         outcome = await _prefill_hop(state, path, body, headers)
         if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
             state.metrics.request("bad_request")
             return outcome
-        kv_params = outcome
-    return await _decode_hop(state, path, body, kv_params, headers, stream=bool(body.get("stream")))
+        kv_params, prefill_revision = outcome
+        revision = {prefill_revision} if kv_params else None
+    return await _decode_hop(state, path, body, kv_params, headers, stream=bool(body.get("stream")),
+                             revisions=revision)
 
 
 async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
-    """kv_transfer_params for the decode hop; None when no prefill endpoint could do it (decode alone);
-    a Response to pass back when the prefill rejected the request (4xx)."""
+                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, str | None] | Response:
+    """(kv_transfer_params for the decode hop, the prefill endpoint's revision); params None when no
+    prefill endpoint could do it (decode alone); a Response to pass back when the prefill rejected
+    the request (4xx). Prefill endpoints whose revision has a ready decode endpoint go first."""
     tried: set[str] = set()
     p_body = prefill_body(body)
-    while (ep := state.prefill.pick(tried)) is not None:
+    while (ep := state.prefill.pick(tried, revisions=state.decode.ready_revisions())) is not None:
         tried.add(ep.url)
         ep.outstanding += 1
         start = time.monotonic()
@@ -153,14 +157,14 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
             return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
         state.prefill.mark_ok(ep)
         try:
-            return r.json().get("kv_transfer_params")
+            return r.json().get("kv_transfer_params"), ep.revision
         except (json.JSONDecodeError, AttributeError):
             logger.warning("prefill %s answered without JSON; decoding alone", ep.url)
-            return None
+            return None, None
     if state.prefill.endpoints:
         logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
                        headers["X-Request-Id"], len(state.prefill.endpoints))
-    return None
+    return None, None
 
 
 def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str) -> None:
@@ -170,7 +174,7 @@ def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, 
 
 
 async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
-                      headers: dict[str, str], stream: bool) -> Response:
+                      headers: dict[str, str], stream: bool, revisions: set[str | None] | None = None) -> Response:
     d_body = dict(body)
     if kv_params:
         d_body["kv_transfer_params"] = kv_params
@@ -178,7 +182,7 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
         d_body.pop("kv_transfer_params", None)
     tried: set[str] = set()
     received = time.monotonic()
-    while (ep := state.decode.pick(tried)) is not None:
+    while (ep := state.decode.pick(tried, revisions=revisions)) is not None:
         tried.add(ep.url)
         ep.outstanding += 1
         start = time.monotonic()

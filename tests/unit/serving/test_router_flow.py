@@ -151,3 +151,18 @@ async def test_decode_broken_mid_stream_ends_with_an_sse_error():
     assert state.decode.endpoints[D1].outstanding == 0
     metrics = state.metrics.render().decode()
     assert 'disagg:router_hop_errors_total{hop="decode",model_name="m",role="router"} 1.0' in metrics
+
+
+@pytest.mark.asyncio
+async def test_rollout_pairs_prefill_and_decode_of_the_same_revision():
+    client, workers, state = router({P1: "ok", P2: "ok"}, {D1: "ok", D2: "ok"})
+    revs = {P1: "old", D1: "old", P2: "new", D2: "new"}
+    for pool in (state.prefill, state.decode):
+        for ep in pool.endpoints.values():
+            ep.revision = revs[ep.url]
+    for _ in range(6):
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200
+    pairs = [(workers.seen[i][0], workers.seen[i + 1][0]) for i in range(0, len(workers.seen), 2)]
+    assert {revs[p] == revs[d] for p, d in pairs} == {True}
+    assert {p for p, _ in pairs} == {P1, P2}  # both revisions keep serving while both exist

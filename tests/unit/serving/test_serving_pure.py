@@ -162,3 +162,23 @@ def test_pod_urls_keep_running_pods_with_an_ip():
     pods = [pod("Running", "10.0.0.2"), pod("Pending", None), pod("Running", "10.0.0.3", deleting=True),
             pod("Running", "10.0.0.1")]
     assert pod_urls(pods, 8000) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+def test_pools_prefer_the_paired_revision_during_a_rollout():
+    pool = EndpointPool("decode")
+    pool.set_urls(["old", "new"], {"old": "r1", "new": "r2"})
+    for ep in pool.endpoints.values():
+        ep.ready = True
+    assert {pool.pick(revisions={"r2"}).url for _ in range(4)} == {"new"}
+    assert {pool.pick(revisions={"r1"}).url for _ in range(4)} == {"old"}
+    assert pool.pick(revisions={"r3"}) is not None  # no pod of that revision: any ready one
+    assert pool.pick(exclude={"new"}, revisions={"r2"}).url == "old"  # retry falls back
+    assert pool.ready_revisions() == {"r1", "r2"}
+
+
+def test_pod_revisions_read_the_operator_label():
+    from disagg.worker.router.discovery import pod_revisions
+
+    pod = SimpleNamespace(status=SimpleNamespace(phase="Running", pod_ip="10.0.0.9"),
+                          metadata=SimpleNamespace(deletion_timestamp=None, labels={"disagg.dev/revision": "abc"}))
+    assert pod_revisions([pod], 8000) == {"http://10.0.0.9:8000": "abc"}
