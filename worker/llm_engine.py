@@ -40,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
 class EngineStats:
     """Counters since start (for Prometheus)."""
 
-    prompt_tokens: int = 0  # prompt tokens computed or loaded
+    prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     generation_tokens: int = 0
     kv_connector_stats: list[dict[str, Any]] = field(default_factory=list)  # per step, drained by readers
 
@@ -178,9 +178,6 @@ class LLMEngine:
         kvo = runner_output.kv_connector_output
         if kvo is not None and kvo.kv_connector_stats:
             self.stats.kv_connector_stats.append(kvo.kv_connector_stats)
-        self.stats.prompt_tokens += sum(
-            n for r, n in so.num_scheduled_tokens.items() if r in runner_output.sampled_token_ids and n > 1
-        )
         return self._process(core_outputs)
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -195,6 +192,8 @@ class LLMEngine:
             ro = self.output_processor.process(out)
             if ro is None:
                 continue
+            if out.new_token_ids and len(ro.outputs[0].token_ids) == len(out.new_token_ids):
+                self.stats.prompt_tokens += len(ro.prompt_token_ids)  # counted at its first token, as vLLM
             if ro.finished and out.finish_reason is None:  # stopped by a stop string
                 req = self.scheduler.requests.get(out.req_id)
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)

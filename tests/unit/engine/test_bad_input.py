@@ -92,3 +92,10 @@ def test_seeded_sampling_is_reproducible(llm):
     a = llm.generate(["once upon"], sp)[0].outputs[0].token_ids
     b = llm.generate(["once upon"], sp)[0].outputs[0].token_ids
     assert a == b
+
+
+def test_token_counters_count_each_prompt_once(tiny_model_dir):
+    llm = LLM(tiny_model_dir, max_model_len=64, num_kv_blocks=32, max_num_batched_tokens=4)  # chunked prefill
+    llm.generate([[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert llm.engine.stats.prompt_tokens == 10
+    assert llm.engine.stats.generation_tokens == 6
