@@ -31,6 +31,7 @@ class EngineSnapshot:
 
     num_running: int
     num_waiting: int  # includes requests waiting for remote KV, as in vLLM
+    num_waiting_prompt_tokens: int  # prompt tokens of the waiting requests (queued prefill work)
     kv_cache_usage: float  # 0..1
     num_preemptions_total: int
     prompt_tokens_total: int
@@ -55,6 +56,8 @@ class WorkerMetrics:
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.num_waiting_prompt_tokens = gauge("disagg:num_waiting_prompt_tokens", "Prompt tokens of the "
+                                               "requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.kv_pending_sends = gauge("disagg:kv_pending_sends", "Requests whose KV waits here to be pulled.")
         self.kv_pending_loads = gauge("disagg:kv_pending_loads", "Requests waiting here for remote KV.")
@@ -87,6 +90,7 @@ class WorkerMetrics:
     def update_engine(self, snap: EngineSnapshot) -> None:
         self.num_requests_running.set(snap.num_running)
         self.num_requests_waiting.set(snap.num_waiting)
+        self.num_waiting_prompt_tokens.set(snap.num_waiting_prompt_tokens)
         self.kv_cache_usage_perc.set(snap.kv_cache_usage)
         self.kv_pending_sends.set(snap.pending_sends)
         self.kv_pending_loads.set(snap.pending_loads)

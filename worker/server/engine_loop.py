@@ -169,6 +169,7 @@ class EngineLoop:
         pending = conn.get_pending_counts() if conn is not None else {}
         self.metrics.update_engine(EngineSnapshot(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in sched.waiting),
             kv_cache_usage=engine.kv_cache_manager.usage(),
             num_preemptions_total=sched.num_preemptions_total,
             prompt_tokens_total=engine.stats.prompt_tokens, generation_tokens_total=engine.stats.generation_tokens,

@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from disagg.operator.metrics_source import WAITING_PROMPT_TOKENS
 from disagg.operator.spec import parse_spec
 from disagg.worker.launcher import curl_example, plan
 from disagg.worker.metrics import WorkerMetrics
+from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.router.discovery import pod_urls
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.proxy import check_max_tokens, prefill_body
@@ -125,8 +127,22 @@ def test_worker_metrics_are_per_instance_and_labelled():
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total", "disagg:kv_pending_sends",
-                 "disagg:kv_pending_loads"):
+                 "disagg:kv_pending_loads", WAITING_PROMPT_TOKENS):
         assert f'{name}{{' in text, name
+
+
+def test_waiting_prompt_tokens_gauge_sums_the_waiting_queue_under_the_name_the_autoscaler_reads():
+    # the engine loop reads the scheduler's waiting deque; the gauge carries the name metrics_source expects
+    waiting = [SimpleNamespace(num_prompt_tokens=n) for n in (7, 30)]
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0),
+        scheduler_connector=None, kv_cache_manager=SimpleNamespace(usage=lambda: 0.25),
+        stats=SimpleNamespace(prompt_tokens=0, generation_tokens=0, kv_connector_stats=[]))
+    loop = EngineLoop(lambda: engine, lambda _: WorkerMetrics("m", "decode"))
+    loop.metrics = WorkerMetrics("m", "decode")
+    loop._update_metrics(engine)
+    assert sample(loop.metrics, WAITING_PROMPT_TOKENS) == 37
+    assert sample(loop.metrics, "vllm:num_requests_waiting") == 2
 
 
 LOCAL = {"model": {"servedName": "tiny", "dtype": "float32", "maxModelLen": 256},
