@@ -24,17 +24,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "--priority is active, others stand by (needs kopf's peering CRDs)")
     parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
     parser.add_argument("--liveness", metavar="URL", help="e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve the operator's Prometheus metrics (disagg_operator_desired_replicas, "
+                             "disagg_operator_scaling_decisions_total) on 0.0.0.0:PORT/metrics; 0 = off (default)")
 
 
 def run(args: argparse.Namespace) -> int:
     import kopf
 
+    from prometheus_client import start_http_server
+
+    from disagg.operator.autoscaler import OperatorMetrics
     from disagg.operator.handlers import build_registry
 
     # kopf installs the root log handler; ours (disagg.*) propagate to it
     kopf.configure(verbose=args.log_level == "DEBUG", quiet=args.log_level in ("WARNING", "ERROR"))
     logging.getLogger().setLevel(args.log_level)
     namespaces = list(args.namespace)
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr="0.0.0.0", registry=metrics.registry)  # a daemon thread
     asyncio.run(kopf.operator(
         registry=build_registry(args.resync_seconds),
         clusterwide=not namespaces,
@@ -43,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
         peering_name=args.peering,
         priority=args.priority,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(),
+        memo=kopf.Memo(metrics=metrics),
     ))
     return 0

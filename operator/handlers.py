@@ -1,4 +1,7 @@
-"""Thin kopf handlers: every trigger (create, update, resume, periodic resync) runs the same level-based pass.
+"""Thin kopf handlers: every trigger (create, update, resume, periodic resync) runs the same level-based pass;
+a daemon per resource with autoscaling on decides every spec.autoscaling.intervalSeconds (a daemon rather than
+a kopf timer: a timer's interval is fixed when it is registered, the spec's may change) and, unless dry run,
+runs the pass right after so the Deployments get the new replicas.
 
 Handlers are registered into a registry built here (no import-time global registry), so the resync interval is
 a parameter and tests can run the operator several times in one process.
@@ -14,6 +17,8 @@ from typing import Any
 import kopf
 
 from disagg.operator import spec as s
+from disagg.operator.autoscale import ScalingHistory
+from disagg.operator.autoscaler import AutoscaleResult, OperatorMetrics, autoscale
 from disagg.operator.kube import ApiError, KubeClient, TransientApiError, load_connection
 from disagg.operator.reconcile import PassResult, reconcile
 
@@ -42,6 +47,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.kube = KubeClient(load_connection())
     if "clock" not in memo:
         memo.clock = lambda: datetime.now(timezone.utc)
+    if "metrics" not in memo:
+        memo.metrics = OperatorMetrics()
 
 
 def login(**_: Any) -> kopf.ConnectionInfo:
@@ -59,31 +66,44 @@ def cleanup(memo: kopf.Memo, **_: Any) -> None:
         kube.close()
 
 
-def _run_pass(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger) -> PassResult | None:
-    lock = memo.setdefault("lock", threading.Lock())  # memo is per object: one pass at a time per resource
-    with lock:
-        if memo.exiting.is_set():  # kopf may still start a timer while it exits; the client is closed
+def _lock(memo: kopf.Memo) -> threading.Lock:
+    # memo is per object: one pass (reconcile or autoscale) at a time per resource
+    return memo.setdefault("lock", threading.Lock())
+
+
+def _reconcile_locked(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger) -> PassResult | None:
+    """The caller holds the lock."""
+    if memo.exiting.is_set():  # kopf may still start a timer while it exits; the client is closed
+        return None
+    try:
+        result = reconcile(copy.deepcopy(dict(body)), memo.kube, memo.clock())
+    except TransientApiError as e:
+        if memo.exiting.is_set():
             return None
-        try:
-            result = reconcile(copy.deepcopy(dict(body)), memo.kube, memo.clock())
-        except TransientApiError as e:
-            if memo.exiting.is_set():
-                return None
-            raise kopf.TemporaryError(str(e), delay=backoff_seconds(retry)) from e
-        except ApiError as e:  # forbidden, rejected manifest: a person must act; retry slowly
-            kopf.warn(body, reason="ApplyFailed", message=str(e))
-            raise kopf.TemporaryError(str(e), delay=MAX_BACKOFF_SECONDS) from e
-        except RuntimeError:
-            if memo.exiting.is_set():  # the exit closed the client under this pass
-                return None
-            raise
+        raise kopf.TemporaryError(str(e), delay=backoff_seconds(retry)) from e
+    except ApiError as e:  # forbidden, rejected manifest: a person must act; retry slowly
+        kopf.warn(body, reason="ApplyFailed", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=MAX_BACKOFF_SECONDS) from e
+    except RuntimeError:
+        if memo.exiting.is_set():  # the exit closed the client under this pass
+            return None
+        raise
     if result is None:
         return None
     if result.children_written:
         logger.info("wrote %s", ", ".join(result.children_written))
     if result.problems and result.status_written:  # first time seen for this generation: one Event
         kopf.warn(body, reason="InvalidSpec", message="; ".join(str(p) for p in result.problems))
+    for rv in result.replicas_reverted:
+        kopf.event(body, type="Warning", reason="ManualScaleReverted",
+                   message=f"Deployment {rv.deployment} replicas set to {rv.found} outside the operator; "
+                           f"restored {rv.restored} from {rv.source}")
     return result
+
+
+def _run_pass(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger) -> PassResult | None:
+    with _lock(memo):
+        return _reconcile_locked(body, memo, retry, logger)
 
 
 def on_change(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger, **_: Any) -> None:
@@ -99,6 +119,46 @@ def on_resync(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logg
         _run_pass(body, memo, retry, logger)
 
 
+def _autoscale_once(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) -> AutoscaleResult | None:
+    with _lock(memo):
+        if memo.exiting.is_set():
+            return None
+        history = memo.get("scaling_history") or ScalingHistory()  # in memory: a restart starts a fresh window
+        now = memo.clock()
+        try:
+            result = autoscale(copy.deepcopy(dict(body)), memo.kube, history, now,
+                               lambda: memo.clock().timestamp())
+            if result is None:
+                return None
+            memo.scaling_history = result.history
+            memo.metrics.observe(body["metadata"]["namespace"], body["metadata"]["name"], result.decision)
+            if result.changes and not result.dry_run:
+                _reconcile_locked(body, memo, 0, logger)  # applies status.autoscaling.<role>.desired
+        except (ApiError, kopf.TemporaryError) as e:  # the next interval tries again
+            logger.warning("autoscaling pass failed: %s", e)
+            return None
+    for change in result.changes:
+        logger.info("%s", change.message)
+        kopf.event(body, type="Normal", reason=change.event_reason, message=change.message)
+    if result.cost_failed:
+        kopf.warn(body, reason="DeletionCostNotSet", message="; ".join(result.cost_failed))
+    return result
+
+
+def _autoscaling_on(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+def autoscale_daemon(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped,
+                     **_: Any) -> None:
+    """Runs while spec.autoscaling.enabled (kopf stops it when that turns false or the resource goes)."""
+    while not stopped and not memo.exiting.is_set():
+        result = _autoscale_once(body, memo, logger)
+        interval = result.interval_seconds if result is not None else \
+            int((body.get("spec") or {}).get("autoscaling", {}).get("intervalSeconds") or 15)
+        stopped.wait(interval)
+
+
 def build_registry(resync_seconds: float = 10.0) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     kopf.on.startup(registry=registry)(configure)
@@ -108,4 +168,6 @@ def build_registry(resync_seconds: float = 10.0) -> kopf.OperatorRegistry:
         trigger(*_RESOURCE, registry=registry, id="reconcile", backoff=MAX_BACKOFF_SECONDS)(on_change)
     kopf.timer(*_RESOURCE, registry=registry, id="resync", interval=resync_seconds,
                backoff=MAX_BACKOFF_SECONDS)(on_resync)
+    kopf.daemon(*_RESOURCE, registry=registry, id="autoscale", when=_autoscaling_on, backoff=MAX_BACKOFF_SECONDS,
+                cancellation_timeout=1.0)(autoscale_daemon)
     return registry

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from urllib.parse import quote
+
 import httpx
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,7 @@ PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "DisaggregatedInference": "disaggregatedinferences",
+    "Pod": "pods",  # the autoscaler lists worker pods and marks the one to remove (pod-deletion-cost)
 }
 TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}  # 409: a concurrent writer; the next pass re-reads
 
@@ -108,6 +111,11 @@ class KubeClient:
             if e.status == 404:
                 return None
             raise
+
+    def list_objects(self, api_version: str, kind: str, namespace: str,
+                     label_selector: str = "") -> list[dict[str, Any]]:
+        params = f"?labelSelector={quote(label_selector)}" if label_selector else ""
+        return list(self._call("GET", object_path(api_version, kind, namespace) + params).get("items") or [])
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]

@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 
 ANNOTATION_LAST_APPLIED = f"{s.GROUP}/last-applied"  # JSON of what the operator last wrote to the child
 ROLES: tuple[m.Component, ...] = ("prefill", "decode", "router")
-# status keys this pass owns; anything else there (the autoscaler's lastScaling) is left alone
+# status keys this pass owns; status.autoscaling and the scaling conditions belong to the autoscaler (this pass
+# only removes them when autoscaling is switched off)
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *ROLES, "conditions")
+WORKER_ROLES: tuple[m.Role, ...] = ("prefill", "decode")
 
 
 class Cluster(Protocol):
@@ -35,6 +37,15 @@ class PassResult:
     status_written: bool
     children_written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
     problems: list[s.Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
+    replicas_reverted: list[ReplicasReverted] = field(default_factory=list)  # hand edits undone
+
+
+@dataclass(frozen=True)
+class ReplicasReverted:
+    deployment: str  # name
+    found: int  # replicas someone else set
+    restored: int  # what the operator wrote back
+    source: str  # where the restored number comes from, e.g. "status.autoscaling.decode.desired"
 
 
 # ---------------------------------------------------------------- children
@@ -71,11 +82,23 @@ def child_needs_write(desired: dict[str, Any], observed: dict[str, Any]) -> bool
     return desired["kind"] == "Deployment" and observed.get("spec", {}).get("replicas") != desired["spec"]["replicas"]
 
 
-def apply_child(cluster: Cluster, desired: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Returns (the object as the server now holds it, whether we wrote)."""
+def hand_set_replicas(desired: dict[str, Any], observed: dict[str, Any]) -> int | None:
+    """The replicas someone else (kubectl scale, an HPA) set on a Deployment we last applied with the replicas we
+    still want; None when there is no such edit (or the change is ours: the wanted replicas moved)."""
+    if desired["kind"] != "Deployment":
+        return None
+    found, want = observed.get("spec", {}).get("replicas"), desired["spec"]["replicas"]
+    applied = _last_applied(observed).get("spec", {}).get("replicas")
+    return found if found != want and applied == want else None
+
+
+def apply_child(cluster: Cluster, desired: dict[str, Any],
+                observed: dict[str, Any] | None = None) -> tuple[dict[str, Any], bool]:
+    """Returns (the object as the server now holds it, whether we wrote). `observed`: already read."""
     meta = desired["metadata"]
     key = (desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-    observed = cluster.get(*key)
+    if observed is None:
+        observed = cluster.get(*key)
     if observed is None:
         return cluster.create(_stamped(desired)), True  # 409 if created meanwhile: transient, next pass patches
     if not child_needs_write(desired, observed):
@@ -112,7 +135,7 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int)
             "observedGeneration": generation}
 
 
-def _with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], now: datetime) -> list[dict]:
+def with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], now: datetime) -> list[dict]:
     previous = {c.get("type"): c for c in old}
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     for c in new:
@@ -120,6 +143,25 @@ def _with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]],
         c["lastTransitionTime"] = prev["lastTransitionTime"] if prev and prev.get("status") == c["status"] \
             and prev.get("lastTransitionTime") else stamp
     return new
+
+
+def worker_replicas(spec: s.DisaggregatedInferenceSpec, status: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """role -> (replicas the pool should run, where that number comes from). With autoscaling on (and not dry
+    run) the autoscaler's status.autoscaling.<role>.desired wins over spec.<role>.replicas, moved into
+    min/max, so this pass and the autoscaler never fight."""
+    a = spec.autoscaling
+    scaled = status.get("autoscaling") or {}
+    out: dict[str, tuple[int, str]] = {}
+    for role in WORKER_ROLES:
+        n, source = getattr(spec, role).replicas, f"spec.{role}.replicas"
+        if a.enabled and not a.dry_run:
+            wanted = (scaled.get(role) or {}).get("desired")
+            if wanted is not None and not scaled.get("dryRun"):
+                n, source = int(wanted), f"status.autoscaling.{role}.desired"
+            bounds: s.ReplicaBounds = getattr(a, role)
+            n = min(max(n, bounds.min_replicas), bounds.max_replicas)
+        out[role] = (n, source)
+    return out
 
 
 def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
@@ -161,6 +203,37 @@ def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, li
     return spec, problems + s.semantic_problems(spec, "kubernetes")
 
 
+@dataclass
+class _Applied:
+    written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
+    reverted: list[ReplicasReverted] = field(default_factory=list)
+    deployments: dict[str, dict | None] = field(default_factory=dict)  # role -> as the server holds it
+    desired: dict[str, dict] | None = None  # role -> the Deployment we want; None: spec rejected
+
+
+def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec,
+                   status: dict[str, Any]) -> _Applied:
+    replicas = worker_replicas(spec, status)
+    spec = spec.model_copy(deep=True)
+    for role, (n, _) in replicas.items():
+        getattr(spec, role).replicas = n
+    out = _Applied(desired={})
+    for child in m.desired_children(owner, spec):
+        meta = child["metadata"]
+        observed = cluster.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        found = hand_set_replicas(child, observed) if observed is not None else None
+        current, wrote = apply_child(cluster, child, observed)
+        if wrote:
+            out.written.append(f"{child['kind']}/{meta['name']}")
+        if child["kind"] == "Deployment":
+            role = meta["labels"][m.LABEL_COMPONENT]
+            out.deployments[role], out.desired[role] = current, child  # type: ignore[index]
+            if found is not None:
+                source = replicas[role][1] if role in replicas else "spec.router.replicas"
+                out.reverted.append(ReplicasReverted(meta["name"], found, child["spec"]["replicas"], source))
+    return out
+
+
 def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResult | None:
     """`body` says which resource; the pass reads it afresh (a trigger's copy may predate our last status
     write). None: the resource is gone."""
@@ -172,29 +245,29 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
     owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     generation = int(meta.get("generation", 0))
     spec, problems = check(body)
-    written: list[str] = []
-    deployments: dict[str, dict | None] = {}
-    desired_deployments: dict[str, dict] | None = None
+    old_status = body.get("status") or {}
+    applied = _Applied()
     extra: dict[str, Any] = {}
     if problems or spec is None:
         for r in ROLES:  # report what runs, touch nothing
-            deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
+            applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
     else:
-        desired_deployments = {}
-        for child in m.desired_children(owner, spec):
-            current, wrote = apply_child(cluster, child)
-            if wrote:
-                written.append(f"{child['kind']}/{child['metadata']['name']}")
-            if child["kind"] == "Deployment":
-                role = child["metadata"]["labels"][m.LABEL_COMPONENT]
-                deployments[role], desired_deployments[role] = current, child
+        applied = apply_children(cluster, owner, spec, old_status)
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}
-    old_status = body.get("status") or {}
-    status = build_status(generation, deployments, desired_deployments, problems, extra)
-    status["conditions"] = _with_transition_times(status["conditions"], old_status.get("conditions") or [], now)
+    written, reverted = applied.written, applied.reverted
+    status = build_status(generation, applied.deployments, applied.desired, problems, extra)
+    status["conditions"] = with_transition_times(status["conditions"], old_status.get("conditions") or [], now)
+    autoscaling_on = spec is not None and spec.autoscaling.enabled
+    if autoscaling_on:  # the autoscaler's conditions stay, after ours
+        status["conditions"] += [c for c in old_status.get("conditions") or []
+                                 if c.get("type") in s.AUTOSCALING_CONDITIONS]
     owned = {k: v for k, v in old_status.items() if k in OWNED_STATUS_KEYS}
-    if owned == status:
-        return PassResult(old_status, False, written, problems)
-    cluster.patch(s.API_VERSION, s.KIND, owner.namespace, owner.name, {"status": merge_patch(owned, status)},
-                  subresource="status")
-    return PassResult({**old_status, **status}, True, written, problems)
+    stale_autoscaling = not autoscaling_on and spec is not None and "autoscaling" in old_status
+    if owned == status and not stale_autoscaling:
+        return PassResult(old_status, False, written, problems, reverted)
+    patch = merge_patch(owned, status)
+    if stale_autoscaling:
+        patch["autoscaling"] = None
+    cluster.patch(s.API_VERSION, s.KIND, owner.namespace, owner.name, {"status": patch}, subresource="status")
+    new_status = {k: v for k, v in {**old_status, **status}.items() if not (stale_autoscaling and k == "autoscaling")}
+    return PassResult(new_status, True, written, problems, reverted)

@@ -124,7 +124,8 @@ class PodPlacement(_Model):
 
 class RoleSpec(PodPlacement):
     """A prefill or a decode pool."""
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(1, ge=0, le=1000, description="With autoscaling on, only the starting point (moved into "
+                          "min/max); then the autoscaler's status.autoscaling.<role>.desired is applied.")
     resources: WorkerResources = Field(default_factory=WorkerResources)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     env: list[EnvVar] = Field(default_factory=list)

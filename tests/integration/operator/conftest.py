@@ -38,8 +38,10 @@ class OperatorThread:
     """kopf.operator() in a daemon thread with its own loop; stop() returns in well under a second."""
 
     def __init__(self, resync_seconds: float = RESYNC_SECONDS):
+        from disagg.operator.autoscaler import OperatorMetrics
         from disagg.operator.handlers import build_registry
         self.registry = build_registry(resync_seconds)
+        self.metrics = OperatorMetrics()  # the operator's Prometheus registry, for tests to read
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
@@ -53,7 +55,7 @@ class OperatorThread:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(kopf.operator(
-                    registry=self.registry, standalone=True, clusterwide=True, memo=kopf.Memo(),
+                    registry=self.registry, standalone=True, clusterwide=True, memo=kopf.Memo(metrics=self.metrics),
                     ready_flag=self.ready, stop_flag=self.stopping))
             except BaseException as e:  # surfaced by stop()
                 self.error = e

@@ -196,8 +196,9 @@ def test_spec_update_rolls_both_pools_and_stays_progressing_until_both_run_it(cl
     play_controller(cluster, "decode")
     wait_for(cond_is(cluster, "Progressing", "False", "RolloutComplete"), what="rollout complete")
 
-    # a pool-only change rolls that pool only and keeps the serving revision
-    patch_spec(cluster, {"decode": {"replicas": 5}})
+    # a pool-only change rolls that pool only and keeps the serving revision (replicas come from the spec only
+    # with autoscaling off)
+    patch_spec(cluster, {"decode": {"replicas": 5}, "autoscaling": {"enabled": False}})
     wait_for(lambda: deployment(cluster, "decode")["spec"]["replicas"] == 5, what="decode scaled")
     assert deployment(cluster, "prefill")["metadata"]["generation"] == \
         deployment(cluster, "prefill")["status"]["observedGeneration"]
@@ -281,15 +282,25 @@ def test_request_log_gives_the_operators_rbac(cluster, operator, example):
 
 def test_disagg_operator_command_runs_and_stops_on_sigint(cluster, example):
     import signal
+    import socket
     import sys
+
+    import httpx
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "disagg.worker.cli", "operator", "--namespace", NS,
-                             "--resync-seconds", str(RESYNC_SECONDS), "--log-level", "WARNING"],
+                             "--resync-seconds", str(RESYNC_SECONDS), "--log-level", "WARNING",
+                             "--metrics-port", str(metrics_port)],
                             env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         create(cluster, example)
         wait_for(lambda: children_created(cluster) or proc.poll() is not None, 20, "children from the CLI")
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         assert children_created(cluster)
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert "# TYPE disagg_operator_desired_replicas gauge" in text
+        assert "# TYPE disagg_operator_scaling_decisions_total counter" in text
         quiesce(cluster)
     finally:
         proc.send_signal(signal.SIGINT)

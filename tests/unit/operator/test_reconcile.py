@@ -159,14 +159,62 @@ def test_invalid_spec_touches_no_child_and_reports_once():
     assert second.problems and not second.status_written and cluster.writes == []
 
 
-def test_other_status_keys_are_left_alone():
+def test_autoscaler_status_is_left_alone():
     cluster = FakeCluster()
     body = cluster.add_resource(example())
-    body["status"] = {"lastScaling": {"role": "decode", "fromReplicas": 4, "toReplicas": 5, "reason": "kv"}}
+    scaling = {"type": "ScalingActive", "status": "True", "reason": "ValidMetrics", "lastTransitionTime": "t"}
+    body["status"] = {"autoscaling": {"decode": {"current": 4, "desired": 4}}, "conditions": [scaling]}
     run_pass(cluster)
-    assert cluster.resource()["status"]["lastScaling"]["toReplicas"] == 5
+    status = cluster.resource()["status"]
+    assert status["autoscaling"]["decode"]["desired"] == 4
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "ScalingActive"]
     status_patch = next(b for v, _, b in cluster.writes if v == "patch/status")
-    assert "lastScaling" not in status_patch["status"]
+    assert "autoscaling" not in status_patch["status"]
+
+
+def with_autoscaler_status(doc: dict[str, Any], status: dict[str, Any]) -> FakeCluster:
+    cluster = FakeCluster()
+    body = cluster.add_resource(doc)
+    body["status"] = {"autoscaling": status}
+    return cluster
+
+
+def replicas(cluster: FakeCluster) -> tuple[int, int]:
+    return tuple(cluster.get("apps/v1", "Deployment", "ns", f"llama3-8b-{r}")["spec"]["replicas"]  # type: ignore
+                 for r in ("prefill", "decode"))
+
+
+def test_autoscaler_desired_replicas_win_over_spec_within_min_max():
+    # example: spec prefill 2, decode 4; autoscaling prefill 1..4, decode 2..8
+    cluster = with_autoscaler_status(example(), {"prefill": {"desired": 3}, "decode": {"desired": 20}})
+    run_pass(cluster)
+    assert replicas(cluster) == (3, 8)
+    doc = example()
+    doc["spec"]["autoscaling"]["dryRun"] = True  # dry run: the spec's numbers, whatever status says
+    cluster = with_autoscaler_status(doc, {"dryRun": True, "prefill": {"desired": 3}, "decode": {"desired": 5}})
+    run_pass(cluster)
+    assert replicas(cluster) == (2, 4)
+    doc["spec"]["autoscaling"] = {"enabled": False}  # off: spec, unclamped; status.autoscaling removed
+    doc["spec"]["decode"]["replicas"] = 12
+    cluster = with_autoscaler_status(doc, {"prefill": {"desired": 3}, "decode": {"desired": 5}})
+    run_pass(cluster)
+    assert replicas(cluster) == (2, 12)
+    assert "autoscaling" not in cluster.resource()["status"]
+    assert next(b for v, _, b in cluster.writes if v == "patch/status")["status"]["autoscaling"] is None
+
+
+def test_hand_edit_is_reported_but_a_new_desired_count_is_not():
+    cluster = with_autoscaler_status(example(), {"decode": {"desired": 4}})
+    run_pass(cluster)
+    cluster.objects[("Deployment", "ns", "llama3-8b-decode")]["spec"]["replicas"] = 7  # kubectl scale
+    result = run_pass(cluster)
+    assert result.replicas_reverted == [r.ReplicasReverted("llama3-8b-decode", 7, 4,
+                                                           "status.autoscaling.decode.desired")]
+    assert replicas(cluster) == (2, 4)
+    body = cluster.objects[(s.KIND, "ns", "llama3-8b")]
+    body["status"]["autoscaling"] = {"decode": {"desired": 5}}  # the autoscaler moves: not a hand edit
+    result = run_pass(cluster)
+    assert (result.replicas_reverted, replicas(cluster)) == ([], (2, 5))
 
 
 def test_gone_resource_is_a_quiet_pass():

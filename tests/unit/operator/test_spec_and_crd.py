@@ -157,11 +157,11 @@ def test_crd_command_writes_and_checks(tmp_path: Path):
 
 
 def test_autoscaling_fields_and_status_block():
+    prometheus = {"type": "prometheus", "prometheusUrl": "http://p", "selector": 'namespace="ml"',
+                  "podLabel": "kubernetes_pod_name"}
     a = s.parse_spec(with_spec(**{"autoscaling.latencyStatistic": "Mean", "autoscaling.staleAfterSeconds": 20,
                                   "autoscaling.targets": {"prefill": {"waitingPromptTokensPerPod": 4096}},
-                                  "autoscaling.metricsSource": {"type": "prometheus", "prometheusUrl": "http://p",
-                                                                "selector": 'namespace="ml"',
-                                                                "podLabel": "kubernetes_pod_name"}})["spec"]).autoscaling
+                                  "autoscaling.metricsSource": prometheus})["spec"]).autoscaling
     assert (a.latency_statistic, a.latency_percentile, a.stale_after_seconds) == ("Mean", 90, 20)
     assert a.targets.prefill.waiting_prompt_tokens_per_pod == 4096 and a.targets.transfer.pending_sends_per_pod == 2
     assert (a.metrics_source.selector, a.metrics_source.pod_label) == ('namespace="ml"', "kubernetes_pod_name")
