@@ -232,7 +232,9 @@ def autoscale(body: dict[str, Any], cluster: Cluster, history: a.ScalingHistory,
                    for role in a.ROLES}
     if any(d is None for d in deployments.values()):
         return None
-    current = {role: int(d["spec"].get("replicas", 0)) for role, d in deployments.items()}  # type: ignore[index]
+    # what the reconcile pass applies (the Deployments' replicas, unless someone edited them by hand: that edit is
+    # reverted, not taken as the pool's size)
+    current = {role: n for role, (n, _) in r.worker_replicas(spec, body.get("status") or {}).items()}
     pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, m.label_selector(owner, role))
             for role in a.ROLES}
     targets = [t for role in a.ROLES for t in scrape_targets(pods[role], role)]

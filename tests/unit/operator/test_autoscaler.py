@@ -158,6 +158,13 @@ def test_dry_run_reports_once_and_writes_no_deployment_or_pod(cluster):
     assert second.changes == [] and not second.status_written  # same recommendation: no new report
 
 
+def test_a_hand_edit_is_not_taken_as_the_pools_size(cluster):
+    setup(cluster, autoscaling_example(), [0.8, 0.8])
+    cluster.objects[("Deployment", NS, f"{NAME}-decode")]["spec"]["replicas"] = 3  # kubectl scale, not reverted yet
+    result = decide(cluster)
+    assert (result.changes, result.decision.roles["decode"].current) == ([], 2)
+
+
 def test_unreachable_or_unready_pods(cluster):
     setup(cluster, autoscaling_example(), [0.95])
     cluster.add_pod("decode", 7, ready=False)  # not scraped at all
