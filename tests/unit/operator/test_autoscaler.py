@@ -212,3 +212,16 @@ def test_operator_metrics():
     assert f'disagg_operator_desired_replicas{{name="{NAME}",namespace="{NS}",role="decode"}} 3.0' in text
     assert (f'disagg_operator_scaling_decisions_total{{name="{NAME}",namespace="{NS}",reason="DecodeBound",'
             'role="decode"} 2.0') in text
+
+
+def test_prometheus_samples_are_matched_to_the_listed_pods(monkeypatch):
+    from disagg.operator import spec as s
+    targets = [sc.PodTarget("p-1", "prefill", ""), sc.PodTarget("d-1", "decode", "")]
+    source = s.MetricsSource(type="prometheus", prometheus_url="http://prom:9090", pod_label="kubernetes_pod_name")
+    fetched = [ms.PodSample("d-1", "", 5.0, {ms.KV_CACHE_USAGE: 0.5}), ms.PodSample("other-ns-pod", "decode", 5.0)]
+    monkeypatch.setattr(ms.PrometheusSource, "fetch", lambda self, roles=(): fetched)
+    p, d = sc.from_prometheus(targets, source, lambda: 9.0)
+    assert (p.pod, p.missing, p.timestamp) == ("p-1", True, 9.0) and "kubernetes_pod_name='p-1'" in p.error
+    assert (d.role, d.values, d.missing) == ("decode", {ms.KV_CACHE_USAGE: 0.5}, False)
+    monkeypatch.setattr(ms.PrometheusSource, "fetch", lambda self, roles=(): "ConnectError: refused")
+    assert [smp.error for smp in sc.from_prometheus(targets, source, lambda: 9.0)] == ["ConnectError: refused"] * 2
