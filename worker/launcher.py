@@ -29,6 +29,8 @@ import httpx
 logger = logging.getLogger("disagg.launcher")
 
 PR_SET_PDEATHSIG = 1
+CLI = [sys.executable, "-m", "disagg.worker.cli"]
+ROUTER_PROBE_INTERVAL_S = 1.0  # the router's /ready probes and endpoints-file checks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +65,7 @@ class ProcessSpec:
     argv: list[str]
     url: str  # base URL of its HTTP API
     env: dict[str, str] = field(default_factory=dict)
+    role: str = ""  # prefill | decode | router
 
 
 def resolve_model_dir(spec: Any) -> str:
@@ -90,31 +93,47 @@ def connector_args(connector: str, host: str, port_for: Any, kv_dir: str) -> lis
     return args
 
 
+def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
+                worker_args: list[str] = ()) -> ProcessSpec:
+    """One prefill or decode worker on fresh ports (`port_for()` hands out a free port)."""
+    kv, role_spec = spec.kv_transfer, getattr(spec, role)
+    port = port_for()
+    argv = [*CLI, "worker", "--role", role, "--model", model_dir, "--served-model-name", spec.model.served_name,
+            "--host", host, "--port", str(port), "--dtype", spec.model.dtype,
+            "--kv-lease-seconds", str(kv.lease_seconds), "--kv-load-failure-policy", kv.load_failure_policy,
+            *connector_args(kv.connector, host, port_for, kv_dir)]
+    if spec.model.max_model_len:
+        argv += ["--max-model-len", str(spec.model.max_model_len)]
+    argv += [*role_spec.extra_args, *worker_args]
+    env = {e.name: e.value for e in role_spec.env if e.value is not None}
+    return ProcessSpec(f"{role}-{index}", argv, f"http://{host}:{port}", env, role)
+
+
+def initial_replicas(spec: Any, role: str) -> int:
+    """spec.<role>.replicas; with autoscaling on only the starting point, moved into min/max."""
+    n, a = getattr(spec, role).replicas, spec.autoscaling
+    if a.enabled:
+        bounds = getattr(a, role)
+        n = min(max(n, bounds.min_replicas), bounds.max_replicas)
+    return n
+
+
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
-         worker_args: list[str] = ()) -> list[ProcessSpec]:
-    """Workers first, the router last (it is started once the workers are up)."""
-    cli = [sys.executable, "-m", "disagg.worker.cli"]
-    kv = spec.kv_transfer
-    procs: list[ProcessSpec] = []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for role in ("prefill", "decode"):
-        role_spec = getattr(spec, role)
-        for i in range(role_spec.replicas):
-            port = port_for()
-            url = f"http://{host}:{port}"
-            argv = [*cli, "worker", "--role", role, "--model", model_dir, "--served-model-name",
-                    spec.model.served_name, "--host", host, "--port", str(port), "--dtype", spec.model.dtype,
-                    "--kv-lease-seconds", str(kv.lease_seconds), "--kv-load-failure-policy",
-                    kv.load_failure_policy, *connector_args(kv.connector, host, port_for, kv_dir)]
-            if spec.model.max_model_len:
-                argv += ["--max-model-len", str(spec.model.max_model_len)]
-            argv += [*role_spec.extra_args, *worker_args]
-            env = {e.name: e.value for e in role_spec.env if e.value is not None}
-            procs.append(ProcessSpec(f"{role}-{i}", argv, url, env))
-            urls[role].append(url)
-    router = [*cli, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
-              "--prefill", *urls["prefill"], "--decode", *urls["decode"], *spec.router.extra_args]
-    procs.append(ProcessSpec("router", router, f"http://{host}:{router_port}"))
+         worker_args: list[str] = (), endpoints_file: str | None = None,
+         probe_interval_s: float = ROUTER_PROBE_INTERVAL_S) -> list[ProcessSpec]:
+    """Workers first, the router last (it is started once the workers are up). With `endpoints_file` the router
+    follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line."""
+    procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args)
+             for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
+    router = [*CLI, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
+              "--probe-interval", str(probe_interval_s)]
+    if endpoints_file is not None:
+        router += ["--discovery", "file", "--endpoints-file", endpoints_file]
+    else:
+        router += ["--prefill", *[p.url for p in procs if p.role == "prefill"],
+                   "--decode", *[p.url for p in procs if p.role == "decode"]]
+    procs.append(ProcessSpec("router", [*router, *spec.router.extra_args], f"http://{host}:{router_port}",
+                             role="router"))
     return procs
 
 
@@ -148,6 +167,8 @@ class LocalProcess:
         self.log_path = log_dir / f"{spec.name}.log"
         self.popen: subprocess.Popen | None = None
         self.started_at = 0.0
+        self.state = "starting"  # starting | serving | leaving | draining (see local_scaling.WorkerSet)
+        self.state_since = 0.0
 
     def start(self) -> None:
         log = self.log_path.open("ab")
@@ -217,15 +238,17 @@ def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
 
 
 class _StatusHandler(http.server.BaseHTTPRequestHandler):
-    procs: list[LocalProcess] = []
-    ready = threading.Event()
+    ready: Any = staticmethod(lambda: False)  # () -> bool
+    status: Any = staticmethod(lambda: {})  # () -> the /status JSON
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path == "/health":
             code, body = 200, {"status": "ok"}
         elif self.path == "/ready":
-            ok = self.ready.is_set() and all(p.exited() is None for p in self.procs)
+            ok = self.ready()
             code, body = (200 if ok else 503), {"ready": ok}
+        elif self.path == "/status":
+            code, body = 200, self.status()
         else:
             code, body = 404, {"error": "not found"}
         data = json.dumps(body).encode()
@@ -239,8 +262,9 @@ class _StatusHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _start_status_server(host: str, port: int, procs: list[LocalProcess], ready: threading.Event) -> Any:
-    handler = type("StatusHandler", (_StatusHandler,), {"procs": procs, "ready": ready})
+def _start_status_server(host: str, port: int, ready: Any, status: Any) -> Any:
+    """/health, /ready (every process up), /status (processes, replicas, the last autoscaling decision)."""
+    handler = type("StatusHandler", (_StatusHandler,), {"ready": staticmethod(ready), "status": staticmethod(status)})
     server = http.server.ThreadingHTTPServer((host, port), handler)
     threading.Thread(target=server.serve_forever, name="status", daemon=True).start()
     return server
@@ -263,14 +287,18 @@ def load_spec(path: str) -> Any:
     problems = semantic_problems(spec, "local")
     if problems:
         raise ValueError("\n".join(f"{path}: {p}" for p in problems))
-    if spec.decode.replicas < 1:
+    if spec.decode.replicas < 1 and not spec.autoscaling.enabled:
         raise ValueError(f"{path}: spec.decode.replicas must be >= 1 to serve locally")
+    if spec.autoscaling.enabled and spec.autoscaling.decode.min_replicas < 1:
+        raise ValueError(f"{path}: spec.autoscaling.decode.minReplicas must be >= 1 to serve locally, "
+                         f"got {spec.autoscaling.decode.min_replicas}")
     return doc.get("metadata", {}).get("name", "local"), spec
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
+    from disagg.worker.local_scaling import LocalAutoscaler, WorkerSet
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -284,23 +312,44 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"disagg-{name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     router_port = args.port if args.port is not None else spec.router.service.port
-    specs = plan(spec, model_dir, args.host, router_port, lambda: free_port(args.host), str(log_dir / "kv"),
-                 args.worker_arg)
-    procs = [LocalProcess(s, log_dir) for s in specs]
+    port_for, kv_dir = (lambda: free_port(args.host)), str(log_dir / "kv")
+    endpoints_file = log_dir / "endpoints.json"  # the router follows it; the WorkerSet rewrites it as it scales
+    specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file))
+    router = LocalProcess(specs[-1], log_dir)
+    workers = WorkerSet(
+        lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg),
+        log_dir, endpoints_file, router.spec.url, say, leave_timeout_s=3 * ROUTER_PROBE_INTERVAL_S + 2,
+        grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds))
+    autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.enabled else None
     stop, ready = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    status = _start_status_server(args.host, args.status_port, procs, ready) if args.status_port else None
-    say(f"disagg up: {name} - {spec.prefill.replicas} prefill + {spec.decode.replicas} decode workers + router, "
-        f"{spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir})\n  logs: {log_dir}")
+
+    def is_up() -> bool:
+        active = [p for p in workers.workers if p.state in ("starting", "serving")]
+        return ready.is_set() and all(p.exited() is None for p in [router, *active])
+
+    def status() -> dict[str, Any]:
+        return {"ready": is_up(), "router": router.spec.url, "replicas": workers.counts(),
+                "workers": workers.describe(),
+                "autoscaling": autoscaler.status() if autoscaler else {"enabled": False}}
+
+    server = _start_status_server(args.host, args.status_port, is_up, status) if args.status_port else None
+    counts = {role: initial_replicas(spec, role) for role in ("prefill", "decode")}
+    scaling = (f", autoscaling every {spec.autoscaling.interval_seconds}s"
+               f"{' (dry run)' if spec.autoscaling.dry_run else ''}" if autoscaler else "")
+    say(f"disagg up: {name} - {counts['prefill']} prefill + {counts['decode']} decode workers + router, "
+        f"{spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}")
     code = 0
     try:
-        workers, router = procs[:-1], procs[-1]
-        for p in workers:
+        first = [LocalProcess(s, log_dir) for s in specs[:-1]]
+        for p in first:
             p.start()
         deadline = time.monotonic() + args.startup_timeout
-        if not wait_all_ready(workers, deadline, stop, say):
+        if not wait_all_ready(first, deadline, stop, say):
+            workers.adopt(first)  # stopped below
             return 0 if stop.is_set() else 1
+        workers.adopt(first)
         router.start()
         if not wait_all_ready([router], deadline, stop, say):
             return 0 if stop.is_set() else 1
@@ -308,23 +357,28 @@ def run(args: argparse.Namespace) -> int:
         say(f"\nserving {spec.model.served_name} at {router.spec.url}  (Ctrl-C to stop)\n"
             f"  {curl_example(router.spec.url, spec.model.served_name)}")
         say(f"  -> {first_request(router.spec.url, spec.model.served_name)}\n")
-        code = _supervise(procs, stop, say)
+        code = _supervise(router, workers, autoscaler, spec.autoscaling.interval_seconds, stop, say)
     finally:
         say("stopping ...")
-        shutdown(procs, grace_s=spec.kv_transfer.lease_seconds + 15.0, say=say)
-        if status is not None:
-            status.shutdown()
+        shutdown([router, *workers.workers], grace_s=spec.kv_transfer.lease_seconds + 15.0, say=say)
+        if server is not None:
+            server.shutdown()
         say("stopped")
     return code
 
 
-def _supervise(procs: list[LocalProcess], stop: threading.Event, say: Any) -> int:
-    """Until a signal: a child that exits is reported and restarted, like a Deployment would."""
+def _supervise(router: LocalProcess, workers: Any, autoscaler: Any, interval_s: float, stop: threading.Event,
+               say: Any) -> int:
+    """Until a signal: a child that exits is reported and restarted, like a Deployment would; every interval the
+    autoscaler (if on) decides and starts or retires workers."""
+    next_tick = time.monotonic() + interval_s
     while not stop.wait(0.5):
-        for p in procs:
-            rc = p.exited()
-            if rc is None:
-                continue
-            say(f"  {p.spec.name} exited with status {rc}; restarting (log {p.log_path})")
-            p.start()
+        rc = router.exited()
+        if rc is not None:
+            say(f"  router exited with status {rc}; restarting (log {router.log_path})")
+            router.start()
+        workers.step()
+        if autoscaler is not None and time.monotonic() >= next_tick:
+            next_tick = time.monotonic() + interval_s
+            autoscaler.tick()
     return 0

@@ -1,4 +1,5 @@
-"""`disagg router`: the P/D proxy in front of prefill and decode workers (static URLs or Kubernetes pods)."""
+"""`disagg router`: the P/D proxy in front of prefill and decode workers (static URLs, a JSON endpoints file
+rewritten at run time, or Kubernetes pods)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,9 @@ logger = logging.getLogger("disagg.worker.router")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker base URLs")
     p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode worker base URLs")
-    p.add_argument("--discovery", choices=["static", "kubernetes"], default="static")
+    p.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static")
+    p.add_argument("--endpoints-file", metavar="PATH", help='file discovery: JSON {"prefill": [urls], "decode": '
+                   '[urls]}, re-read when it changes (checked every --probe-interval); replace it atomically')
     p.add_argument("--namespace", default="default", help="kubernetes discovery: the pods' namespace")
     p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
     p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     from disagg.worker.metrics import RouterMetrics
-    from disagg.worker.router.discovery import KubernetesDiscovery
+    from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
     from disagg.worker.router.endpoints import EndpointPool
     from disagg.worker.router.proxy import RouterState, build_app, probe_forever
 
@@ -59,13 +62,20 @@ def run(args: argparse.Namespace) -> int:
             return 2
         discovery = KubernetesDiscovery(args.namespace, args.prefill_selector, args.decode_selector,
                                         args.worker_port)
+    elif args.discovery == "file":
+        if not args.endpoints_file:
+            logger.error("--discovery file needs --endpoints-file")
+            return 2
+        discovery = FileDiscovery(args.endpoints_file, args.probe_interval)
     elif not args.decode:
-        logger.error("give at least one --decode URL (or --discovery kubernetes)")
+        logger.error("give at least one --decode URL (or --discovery file or kubernetes)")
         return 2
     prefill = EndpointPool("prefill", args.policy)
     decode = EndpointPool("decode", args.policy)
     prefill.set_urls(args.prefill)
     decode.set_urls(args.decode)
+    if isinstance(discovery, FileDiscovery):
+        discovery.poll(prefill, decode)  # the first membership before serving
     state = RouterState(prefill, decode, RouterMetrics(), probe_interval_s=args.probe_interval,
                         request_timeout_s=args.request_timeout)
     app = build_app(state)
@@ -78,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             tasks = [asyncio.ensure_future(probe_forever(state))]
             if discovery is not None:
                 tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
-            logger.info("routing: prefill=%s decode=%s policy=%s", args.prefill, args.decode, args.policy)
+            logger.info("routing: prefill=%s decode=%s policy=%s", list(prefill.endpoints), list(decode.endpoints),
+                        args.policy)
             yield
             for t in tasks:
                 t.cancel()

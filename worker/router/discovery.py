@@ -1,9 +1,13 @@
-"""Where the router's endpoints come from: a static list, or Kubernetes pods matched by label selectors."""
+"""Where the router's endpoints come from: a static list, a JSON file another process rewrites (`disagg up`
+while it scales local workers), or Kubernetes pods matched by label selectors."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from disagg.worker.router.endpoints import EndpointPool
 
@@ -64,4 +68,64 @@ class KubernetesDiscovery:
                     logger.info("discovered %d prefill, %d decode endpoints", len(p_urls), len(d_urls))
                 prefill.set_urls(list(p_urls), p_urls)
                 decode.set_urls(list(d_urls), d_urls)
+            await asyncio.sleep(self.interval_s)
+
+
+# ---------------------------------------------------------------- a file: {"prefill": [urls], "decode": [urls]}
+def parse_endpoints(text: str, source: str = "endpoints file") -> dict[str, list[str]]:
+    """The file's roles -> URLs. Raises ValueError naming what is wrong."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{source}: expected an object {{\"prefill\": [urls], \"decode\": [urls]}}, got {doc!r:.80}")
+    out = {}
+    for role in ("prefill", "decode"):
+        urls = doc.get(role, [])
+        if not isinstance(urls, list) or not all(isinstance(u, str) and u for u in urls):
+            raise ValueError(f"{source}: {role!r} must be a list of URL strings, got {urls!r:.80}")
+        out[role] = urls
+    return out
+
+
+def write_endpoints(path: str | Path, prefill: list[str], decode: list[str]) -> None:
+    """Replace the file atomically (a reader never sees half of it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"prefill": prefill, "decode": decode}, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass
+class FileDiscovery:
+    """Re-reads `path` whenever it changes (checked every `interval_s`); an unreadable or invalid file keeps
+    the last membership."""
+
+    path: str
+    interval_s: float = 1.0
+    _seen: tuple | None = field(default=None, repr=False)  # (mtime_ns, inode, size) of the last read
+
+    def poll(self, prefill: EndpointPool, decode: EndpointPool) -> bool:
+        """Apply the file if it changed since the last poll; True when it did."""
+        try:
+            st = os.stat(self.path)
+            key = (st.st_mtime_ns, st.st_ino, st.st_size)
+            if key == self._seen:
+                return False
+            urls = parse_endpoints(Path(self.path).read_text(), self.path)
+        except (OSError, ValueError) as e:
+            logger.warning("endpoints file: %s; keeping %d prefill, %d decode endpoints", e,
+                           len(prefill.endpoints), len(decode.endpoints))
+            return False
+        self._seen = key
+        if set(urls["prefill"]) != set(prefill.endpoints) or set(urls["decode"]) != set(decode.endpoints):
+            logger.info("endpoints file: prefill=%s decode=%s", urls["prefill"], urls["decode"])
+        prefill.set_urls(urls["prefill"])
+        decode.set_urls(urls["decode"])
+        return True
+
+    async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:
+        while True:
+            self.poll(prefill, decode)
             await asyncio.sleep(self.interval_s)

@@ -77,6 +77,13 @@ def build_app(state: RouterState) -> FastAPI:
         body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
         return JSONResponse(body, status_code=200 if n_decode else 503)
 
+    @app.get("/endpoints")
+    async def endpoints() -> Response:
+        """The current membership (who scales workers waits here until a removed one is gone)."""
+        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding}
+                            for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
+        return JSONResponse(body)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

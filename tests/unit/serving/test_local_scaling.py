@@ -1,0 +1,232 @@
+"""`disagg up` scaling without a model: the router's endpoints file, the launcher's plan with file discovery, the
+worker set's states (leaving -> SIGTERM -> gone) on stand-in processes, victim choice, and the autoscaling tick
+against scripted samples (scale up, dry run, report)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from disagg.operator import metrics_source as ms
+from disagg.operator.spec import parse_spec
+from disagg.worker.launcher import LocalProcess, ProcessSpec, initial_replicas, plan
+from disagg.worker.local_scaling import (DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet,
+                                         choose_victims, load_of, scaling_line)
+from disagg.worker.metrics import RouterMetrics
+from disagg.worker.router.discovery import FileDiscovery, parse_endpoints, write_endpoints
+from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.proxy import RouterState, build_app
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+# ---------------------------------------------------------------- the endpoints file
+def test_endpoints_file_is_validated_with_the_bad_value_named():
+    assert parse_endpoints('{"decode": ["http://d:1"]}') == {"prefill": [], "decode": ["http://d:1"]}
+    for text, words in (("[1]", "expected an object"), ('{"decode": "http://d"}', "'decode' must be a list"),
+                        ("{", "not JSON")):
+        with pytest.raises(ValueError, match=words):
+            parse_endpoints(text, "f.json")
+
+
+def test_file_discovery_applies_changes_only_and_keeps_the_last_membership_on_a_bad_file(tmp_path):
+    path = tmp_path / "endpoints.json"
+    prefill, decode = EndpointPool("prefill"), EndpointPool("decode")
+    discovery = FileDiscovery(str(path))
+    assert not discovery.poll(prefill, decode)  # no file yet
+    write_endpoints(path, ["http://p:1"], ["http://d:1", "http://d:2"])
+    assert discovery.poll(prefill, decode)
+    assert list(decode.endpoints) == ["http://d:1", "http://d:2"] and list(prefill.endpoints) == ["http://p:1"]
+    decode.endpoints["http://d:1"].ready = True
+    assert not discovery.poll(prefill, decode), "unchanged file: nothing to do"
+    write_endpoints(path, ["http://p:1"], ["http://d:1"])
+    assert discovery.poll(prefill, decode)
+    assert list(decode.endpoints) == ["http://d:1"] and decode.endpoints["http://d:1"].ready, "state is kept"
+    path.write_text("{broken")
+    assert not discovery.poll(prefill, decode)
+    assert list(decode.endpoints) == ["http://d:1"]
+    assert [p.name for p in tmp_path.iterdir()] == ["endpoints.json"], "no temporary file left behind"
+
+
+@pytest.mark.asyncio
+async def test_router_lists_its_membership_at_endpoints():
+    prefill, decode = EndpointPool("prefill"), EndpointPool("decode")
+    prefill.set_urls(["http://p:1"])
+    decode.set_urls(["http://d:1"])
+    decode.endpoints["http://d:1"].outstanding = 3
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(RouterState(prefill, decode, RouterMetrics()))),
+                               base_url="http://router")
+    body = (await client.get("/endpoints")).json()
+    assert body == {"prefill": [{"url": "http://p:1", "ready": False, "outstanding": 0}],
+                    "decode": [{"url": "http://d:1", "ready": False, "outstanding": 3}]}
+
+
+# ---------------------------------------------------------------- the plan
+SCALED = {"model": {"servedName": "tiny"}, "prefill": {"replicas": 1}, "decode": {"replicas": 5},
+          "autoscaling": {"enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 2}}}
+
+
+def test_plan_with_an_endpoints_file_starts_replicas_inside_the_autoscaling_bounds():
+    ports = iter(range(9000, 9100))
+    procs = plan(parse_spec(SCALED), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv",
+                 endpoints_file="/logs/endpoints.json")
+    assert [(p.name, p.role) for p in procs] == [("prefill-0", "prefill"), ("decode-0", "decode"),
+                                                 ("decode-1", "decode"), ("router", "router")]
+    router = procs[-1].argv
+    assert router[router.index("--discovery") + 1] == "file" and "--decode" not in router
+    assert router[router.index("--endpoints-file") + 1] == "/logs/endpoints.json"
+    off = parse_spec({**SCALED, "autoscaling": {"enabled": False}})
+    assert initial_replicas(off, "decode") == 5, "without autoscaling replicas is taken as is"
+
+
+# ---------------------------------------------------------------- the worker set
+def worker_set(tmp_path, **kw) -> tuple[WorkerSet, list[str]]:
+    said: list[str] = []
+    new = lambda role, i: ProcessSpec(f"{role}-{i}", SLEEPER, f"http://127.0.0.1:1/{role}-{i}", role=role)  # noqa
+    return WorkerSet(new, tmp_path, tmp_path / "endpoints.json", "http://127.0.0.1:1", said.append, **kw), said
+
+
+def endpoints(tmp_path) -> dict:
+    return json.loads((tmp_path / "endpoints.json").read_text())
+
+
+def test_a_retired_worker_leaves_the_endpoints_file_before_it_gets_sigterm_and_then_goes(tmp_path):
+    workers, said = worker_set(tmp_path, leave_timeout_s=0.3)
+    try:
+        first = workers.add("decode")
+        second = workers.add("decode")
+        assert [p.spec.name for p in workers.workers] == ["decode-0", "decode-1"]
+        assert endpoints(tmp_path)["decode"] == [first.spec.url, second.spec.url]
+        assert workers.counts() == {"prefill": 0, "decode": 2} and first.state == STARTING
+        first.state = SERVING
+        assert workers.retire("decode", 1, {"decode-0": 3.0, "decode-1": 0.0}) == [second], "starting goes first"
+        assert second.state == LEAVING and endpoints(tmp_path)["decode"] == [first.spec.url]
+        workers.step()
+        assert second.state == LEAVING and second.exited() is None, "the router may still list it"
+        time.sleep(0.4)
+        workers.step()
+        assert second.state == DRAINING
+        second.popen.wait(10)
+        workers.step()
+        assert workers.workers == [first] and workers.counts()["decode"] == 1
+        assert any("decode-1" in line and "stopped" in line for line in said), said
+        third = workers.add("decode")
+        assert third.spec.name == "decode-1", "the lowest free index is reused"
+    finally:
+        for p in workers.workers:
+            p.kill()
+
+
+def test_an_active_worker_that_dies_is_restarted(tmp_path):
+    workers, said = worker_set(tmp_path)
+    try:
+        p = workers.add("prefill")
+        p.kill()
+        workers.step()
+        assert p.exited() is None and p.state == STARTING
+        assert any("restarting" in line for line in said)
+    finally:
+        p.kill()
+
+
+def test_victims_are_starting_workers_then_the_least_loaded_then_the_newest(tmp_path):
+    def proc(name: str, state: str) -> LocalProcess:
+        p = LocalProcess(ProcessSpec(name, [], "", role="decode"), tmp_path)
+        p.state = state
+        return p
+    a, b, c = proc("decode-0", SERVING), proc("decode-1", SERVING), proc("decode-2", SERVING)
+    d = proc("decode-3", STARTING)
+    loads = {"decode-0": 1.0, "decode-1": 5.0, "decode-2": 1.0}
+    assert choose_victims([a, b, c, d], loads, 3) == [d, c, a]
+    assert choose_victims([a, b], loads, 0) == []
+    sample = ms.PodSample("decode-0", "decode", 0.0, {ms.NUM_REQUESTS_RUNNING: 2, ms.NUM_REQUESTS_WAITING: 1,
+                                                      ms.PENDING_LOADS: 1, ms.KV_CACHE_USAGE: 0.5})
+    assert load_of(sample) == 4
+
+
+# ---------------------------------------------------------------- the autoscaling tick
+class FakeWorkers:
+    def __init__(self, counts: dict[str, int]):
+        self._counts = dict(counts)
+        self.calls: list[tuple] = []
+        self.procs = [SimpleNamespace(spec=SimpleNamespace(name=f"{r}-{i}", role=r))
+                      for r, n in counts.items() for i in range(n)]
+
+    def serving(self):
+        return self.procs
+
+    def counts(self):
+        return dict(self._counts)
+
+    def add(self, role):
+        self.calls.append(("add", role))
+
+    def retire(self, role, n, loads):
+        self.calls.append(("retire", role, n, loads))
+
+
+def samples(kv_usage: float, running: float, now: float):
+    def scrape(procs):
+        return [ms.PodSample(p.spec.name, p.spec.role, now, {ms.KV_CACHE_USAGE: kv_usage, ms.NUM_REQUESTS_WAITING: 0,
+                                                             ms.NUM_REQUESTS_RUNNING: running}) for p in procs]
+    return scrape
+
+
+AUTOSCALING = {"enabled": True, "intervalSeconds": 2, "prefill": {"minReplicas": 1, "maxReplicas": 1},
+               "decode": {"minReplicas": 1, "maxReplicas": 2}, "targets": {"decode": {"kvCacheUsagePercent": 20}},
+               "stabilization": {"scaleUpSeconds": 0, "scaleDownSeconds": 4}}
+
+
+def autoscaler(workers, scrape, now, dry_run=False):
+    spec = parse_spec({"model": {"servedName": "tiny"}, "autoscaling": {**AUTOSCALING, "dryRun": dry_run}})
+    said: list[str] = []
+    return LocalAutoscaler(spec.autoscaling, workers, said.append, clock=lambda: now[0], scrape=scrape), said
+
+
+def test_tick_adds_a_decode_worker_under_load_and_retires_the_least_loaded_after_the_window():
+    now = [1000.0]
+    workers = FakeWorkers({"prefill": 1, "decode": 1})
+    scaler, said = autoscaler(workers, samples(0.5, 6, now[0]), now)
+    # STEP 1: KV usage 50% against a 20% target -> decode 1 -> 2 at once (no scale-up window)
+    decision = scaler.tick()
+    assert decision.desired == {"prefill": 1, "decode": 2} and workers.calls == [("add", "decode")]
+    assert scaler.events[-1]["from"] == 1 and scaler.events[-1]["to"] == 2
+    assert scaler.events[-1]["reason"] == "DecodeBound" and scaler.events[-1]["metrics"]["decode_kv_cache_usage"] == 0.5
+    assert "decode 1 -> 2 (DecodeBound)" in said[-1] and "decode_kv_cache_usage=0.5" in said[-1]
+    status = scaler.status()
+    assert status["lastDecision"]["roles"]["decode"]["desired"] == 2 and status["lastDecision"]["time"].endswith("Z")
+    json.dumps(status)
+    # STEP 2: idle at 2 decode workers: the scale-down window (4 s) holds it
+    workers._counts["decode"], workers.procs = 2, workers.procs + [SimpleNamespace(
+        spec=SimpleNamespace(name="decode-1", role="decode"))]
+    workers.calls.clear()
+    now[0] += 2
+    scaler.scrape = samples(0.0, 0, now[0])
+    assert scaler.tick().roles["decode"].reason == "ScaleDownStabilizing" and workers.calls == []
+    # STEP 3: past the window: one goes, chosen by load
+    now[0] += 6
+    scaler.scrape = samples(0.0, 0, now[0])
+    assert scaler.tick().desired["decode"] == 1
+    assert workers.calls == [("retire", "decode", 1, {"prefill-0": 0.0, "decode-0": 0.0, "decode-1": 0.0})]
+
+
+def test_dry_run_reports_the_decision_and_changes_nothing():
+    now = [1000.0]
+    workers = FakeWorkers({"prefill": 1, "decode": 1})
+    scaler, said = autoscaler(workers, samples(0.9, 8, now[0]), now, dry_run=True)
+    assert scaler.tick().desired["decode"] == 2
+    assert workers.calls == [] and "(dry run)" in said[-1] and scaler.status()["dryRun"]
+
+
+def test_missing_metrics_hold():
+    now = [1000.0]
+    workers = FakeWorkers({"prefill": 1, "decode": 1})
+    failed = lambda procs: [ms.PodSample(p.spec.name, p.spec.role, now[0], error="ConnectError") for p in procs]  # noqa
+    scaler, said = autoscaler(workers, failed, now)
+    assert scaler.tick().reason == "MetricsMissing" and workers.calls == [] and said == []
+    assert scaling_line({"time": "t", "role": "decode", "from": 2, "to": 1, "reason": "Underutilized", "dryRun": False,
+                         "metrics": {}}).endswith("decode 2 -> 1 (Underutilized) ")
