@@ -2,8 +2,8 @@
 
 For each install scope (all namespaces, listed namespaces, each with and without peering), render the chart with
 a real helm, run the operator with the rendered container args (the Dockerfile's entrypoint + `args`) against the
-operator tests' emulated API server, drive a create / readiness / update / invalid spec / delete scenario, and
-compare the API server's request log with the rendered (Cluster)Roles and bindings:
+operator tests' emulated API server, drive a create / readiness / autoscaling (up, then down with the
+pod-deletion-cost mark) / update / invalid spec / delete scenario, and compare the API server's request log with the rendered (Cluster)Roles and bindings:
 (a) every request the operator made is allowed for the operator's ServiceAccount, in the namespace it was made in;
 (b) every granted (group, resource, verb) was requested, or is needed to grant the router's Role (Kubernetes'
     escalation check: the operator can only create a Role with rules it holds itself); a cluster-wide grant in a
@@ -37,8 +37,11 @@ for path in (ROOT / "tests", OPERATOR_TESTS):  # helm_cli; the operator tests' e
         sys.path.insert(0, str(path))
 
 from emulator import EmulatorThread, Kind, RecordedRequest  # noqa: E402
+from fake_worker import FakeWorker  # noqa: E402
 from helm_cli import template  # noqa: E402
 
+from disagg.operator import autoscaler as sc  # noqa: E402
+from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
 from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402
 
@@ -181,6 +184,14 @@ class Driver:
         return next((c["status"] for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype),
                     None)
 
+    def replicas(self, ns: str, name: str, role: str) -> int | None:
+        dep = self.store.get_object("apps", "v1", "deployments", ns, f"{name}-{role}")
+        return dep["spec"]["replicas"] if dep else None
+
+    def deletion_cost_marked(self, ns: str) -> list[str]:
+        return sorted(p["metadata"]["name"] for p in self.store.list_objects("", "v1", "pods", ns)
+                      if sc.ANNOTATION_DELETION_COST in (p["metadata"].get("annotations") or {}))
+
     def play_deployment_controller(self, ns: str) -> None:
         for dep in self.deployments(ns):
             n = dep["spec"]["replicas"]
@@ -189,13 +200,81 @@ class Driver:
                                   "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}}, merge=True)
 
 
+def autoscaling_example(example: dict[str, Any]) -> dict[str, Any]:
+    """The example with a fast, deterministic autoscaler: decode between 2 and 3 replicas, prefill fixed at 1, no
+    stabilization windows, the default targets (decode KV-cache usage 80 %, 4 waiting requests per prefill pod)."""
+    doc = copy.deepcopy(example)
+    doc["spec"]["prefill"]["replicas"], doc["spec"]["decode"]["replicas"] = 1, 2
+    doc["spec"]["autoscaling"] = {"enabled": True, "intervalSeconds": 1,
+                                  "prefill": {"minReplicas": 1, "maxReplicas": 1},
+                                  "decode": {"minReplicas": 2, "maxReplicas": 3},
+                                  "stabilization": {"scaleUpSeconds": 0, "scaleDownSeconds": 0}}
+    return doc
+
+
+class WorkerPods:
+    """Running, ready worker Pods as a ReplicaSet would create them, each with a fake worker on 127.0.0.1 serving
+    its /metrics (found by the operator through podIP + the disagg.dev/metrics-port annotation)."""
+
+    def __init__(self, d: Driver, ns: str, name: str):
+        self.d, self.ns, self.name = d, ns, name
+        self.workers: dict[str, FakeWorker] = {}  # pod name -> its metrics
+
+    def add(self, role: m.Role, **load: Any) -> str:
+        worker = FakeWorker(role)
+        worker.set(**load)
+        pod = f"{self.name}-{role}-{worker.port}"
+        self.workers[pod] = worker
+        labels = m.selector_labels(m.Owner(name=self.name, namespace=self.ns, uid=""), role)
+        self.d.send("POST", f"/api/v1/namespaces/{self.ns}/pods", {
+            "metadata": {"name": pod, "labels": labels,
+                         "annotations": {sc.ANNOTATION_METRICS_PORT: str(worker.port)}},
+            "spec": {"containers": [{"name": role, "image": "x"}]}})
+        self.d.send("PATCH", f"/api/v1/namespaces/{self.ns}/pods/{pod}/status", {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            merge=True)
+        return pod
+
+    def remove(self, pod: str) -> None:
+        self.d.send("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{pod}")
+        self.workers.pop(pod).stop()
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+
+
+def scale_up_and_down(d: Driver, ns: str, name: str, pods: WorkerPods) -> None:
+    """Decode over its KV-cache target scales up 2 -> 3; once idle it scales down 3 -> 2 after the operator marked
+    the least-loaded pod with pod-deletion-cost (lists pods, scrapes them, patches one)."""
+    pods.add("prefill")
+    busy = [pods.add("decode", kv_cache_usage=0.95, running=4) for _ in range(2)]
+    fx.wait_for(lambda: d.replicas(ns, name, "decode") == 3, 20, "decode scaled up to 3")
+    idle = pods.add("decode")  # the ReplicaSet's third pod: mean usage 63 % keeps 3 (ceil(3 x 63/80))
+    for pod in busy:
+        pods.workers[pod].set(kv_cache_usage=0.1, running=4)
+    assert fx.wait_for(lambda: d.deletion_cost_marked(ns), 20, "a pod marked for deletion") == [idle]
+    fx.wait_for(lambda: d.replicas(ns, name, "decode") == 2, 10, "decode scaled down to 2")
+    pods.remove(idle)  # what the ReplicaSet removes first
+
+
 def drive(d: Driver, ns: str, example: dict[str, Any]) -> None:
-    """Create, readiness, update, an invalid spec (an Event), deletion (finalizers removed)."""
+    """Create, readiness, autoscaling, update, an invalid spec (an Event), deletion (finalizers removed)."""
     name = example["metadata"]["name"]
     d.send("POST", d.cr_path(ns), example)
     fx.wait_for(lambda: len(d.deployments(ns)) == 3, 20, "the three Deployments")
     d.play_deployment_controller(ns)
     fx.wait_for(lambda: d.condition(ns, name, "Ready") == "True", 10, "Ready=True")
+    pods = WorkerPods(d, ns, name)
+    try:
+        scale_up_and_down(d, ns, name, pods)
+        update_upgrade_break_delete(d, ns, name, example)
+    finally:
+        pods.stop()
+
+
+def update_upgrade_break_delete(d: Driver, ns: str, name: str, example: dict[str, Any]) -> None:
+    """A new image, children from an older operator version, an invalid spec, deletion."""
     d.send("PATCH", d.cr_path(ns, name), {"spec": {"image": "example/disagg-worker:0.2.0"}}, merge=True)
     fx.wait_for(lambda: all(dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith("0.2.0")
                             for dep in d.deployments(ns)), 10, "the new image rolled out")
@@ -271,7 +350,7 @@ def test_rbac_allows_every_operator_request_and_grants_nothing_unused(scenario, 
     port = free_port()
     docs = template(CHART, tmp_path / "helm", *SCENARIOS[scenario], "--set-json", "resyncSeconds=0.3",
                     "--set", f"livenessPort={port}", namespace=RELEASE_NS)
-    example = yaml.safe_load((fx.EXAMPLES / "llama3-8b-gpu.yaml").read_text())
+    example = autoscaling_example(yaml.safe_load((fx.EXAMPLES / "llama3-8b-gpu.yaml").read_text()))
     requests = run_operator(docs, port, example, tmp_path)
     api_requests = [r for r in requests if r.verb and r.resource]
     grants = granted(docs)
