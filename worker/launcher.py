@@ -346,10 +346,10 @@ def run(args: argparse.Namespace) -> int:
         for p in first:
             p.start()
         deadline = time.monotonic() + args.startup_timeout
-        if not wait_all_ready(first, deadline, stop, say):
-            workers.adopt(first)  # stopped below
+        started = wait_all_ready(first, deadline, stop, say)
+        workers.adopt(first)  # from here on stopped (below) or supervised as the set's workers
+        if not started:
             return 0 if stop.is_set() else 1
-        workers.adopt(first)
         router.start()
         if not wait_all_ready([router], deadline, stop, say):
             return 0 if stop.is_set() else 1

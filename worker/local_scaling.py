@@ -177,12 +177,18 @@ class LocalAutoscaler:
                 continue
             event = {"time": iso(decision.time), "role": role, "from": d.current, "to": d.desired, "reason": d.reason,
                      "dryRun": self.spec.dry_run, "metrics": role_metrics(decision, role)}
+            if self.spec.dry_run and self._repeats(event):
+                continue  # nothing changes in a dry run: report a would-be change once, not every interval
             self.events = [*self.events, event][-MAX_EVENTS:]
             self.say(scaling_line(event))
             if not self.spec.dry_run:
                 self._apply(role, d.current, d.desired, loads)
         logger.debug("autoscale decision: %s", self.last_decision)  # every tick; the console shows changes
         return decision
+
+    def _repeats(self, event: dict[str, Any]) -> bool:
+        last = next((e for e in reversed(self.events) if e["role"] == event["role"]), None)
+        return last is not None and all(last[k] == event[k] for k in ("from", "to", "reason"))
 
     def _apply(self, role: str, current: int, desired: int, loads: dict[str, float]) -> None:
         for _ in range(desired - current):

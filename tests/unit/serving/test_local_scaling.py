@@ -220,6 +220,10 @@ def test_dry_run_reports_the_decision_and_changes_nothing():
     scaler, said = autoscaler(workers, samples(0.9, 8, now[0]), now, dry_run=True)
     assert scaler.tick().desired["decode"] == 2
     assert workers.calls == [] and "(dry run)" in said[-1] and scaler.status()["dryRun"]
+    now[0] += 2
+    scaler.scrape = samples(0.9, 8, now[0])
+    assert scaler.tick().desired["decode"] == 2
+    assert len(said) == 1 and len(scaler.events) == 1, "the same would-be change is reported once"
 
 
 def test_missing_metrics_hold():
