@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "disagg-operator"
@@ -296,7 +297,7 @@ def update_upgrade_break_delete(d: Driver, ns: str, name: str, example: dict[str
     fx.wait_for(lambda: not d.store.list_objects(*CR, ns), 10, "finalizers removed")
 
 
-def run_operator(docs: list[dict], liveness_port: int, example: dict[str, Any],
+def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, example: dict[str, Any],
                  tmp_path: Path) -> list[RecordedRequest]:
     """Run the rendered operator through the scenario; returns the operator's requests."""
     command = operator_command(docs, pod_index=1)
@@ -321,6 +322,12 @@ def run_operator(docs: list[dict], liveness_port: int, example: dict[str, Any],
             drive(d, (serving or ["default"])[0], example)
             probe = fx.wait_for(lambda: _get(f"http://127.0.0.1:{liveness_port}/healthz"), 10, "kopf's liveness")
             assert probe == 200
+            # the chart's metrics.* values: the operator's own metrics saw both decisions
+            decisions = {(smp.labels["role"], smp.labels["reason"])
+                         for family in text_string_to_metric_families(
+                             _get_text(f"http://127.0.0.1:{metrics_port}/metrics"))
+                         for smp in family.samples if smp.name == "disagg_operator_scaling_decisions_total"}
+            assert {("decode", "DecodeBound"), ("decode", "Underutilized")} <= decisions, decisions
             for key in PEERING_KINDS:  # with peering, this replica announces itself with its pod-index priority
                 for peering in api.emulator.list_objects(*key):
                     assert [p["priority"] for p in (peering.get("status") or {}).values()] == [1], peering
@@ -336,6 +343,11 @@ def run_operator(docs: list[dict], liveness_port: int, example: dict[str, Any],
         return [r for r in api.emulator.requests if r.query.get("fieldManager") != DRIVER]
 
 
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=2) as rsp:
+        return rsp.read().decode()
+
+
 def _get(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as rsp:
@@ -347,11 +359,12 @@ def _get(url: str) -> int | None:
 # ---------------------------------------------------------------- the test
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_rbac_allows_every_operator_request_and_grants_nothing_unused(scenario, tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     docs = template(CHART, tmp_path / "helm", *SCENARIOS[scenario], "--set-json", "resyncSeconds=0.3",
-                    "--set", f"livenessPort={port}", namespace=RELEASE_NS)
+                    "--set", f"livenessPort={port}", "--set", "metrics.enabled=true",
+                    "--set", f"metrics.port={metrics_port}", namespace=RELEASE_NS)
     example = autoscaling_example(yaml.safe_load((fx.EXAMPLES / "llama3-8b-gpu.yaml").read_text()))
-    requests = run_operator(docs, port, example, tmp_path)
+    requests = run_operator(docs, port, metrics_port, example, tmp_path)
     api_requests = [r for r in requests if r.verb and r.resource]
     grants = granted(docs)
 

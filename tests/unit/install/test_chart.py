@@ -132,6 +132,9 @@ def test_container_args_are_accepted_by_disagg_operator(scenario, render):
     ["--set", "unknownKey=1"],
     ["--set", "image.pullPolicy=Sometimes"],
     ["--set", "monitoring.workers.podMonitor.interval=often"],
+    ["--set", "monitoring.operator.podMonitor.interval=often"],
+    ["--set", "metrics.port=0"],
+    ["--set", "monitoring.operator.podMonitor.enabled=true"],  # without metrics.enabled: nothing to scrape
 ])
 def test_schema_rejects_bad_values(bad, helm_home):
     proc = run_helm("template", "x", CHART, *bad, home=helm_home, check=False)
@@ -148,6 +151,7 @@ def test_default_operator_is_standalone_least_privileged_and_non_root(render):
     assert w["spec"]["strategy"] == {"type": "Recreate"}, "two standalone operators must never overlap"
     args = parse_operator_args(c["args"])
     assert args.all_namespaces and args.peering is None and args.standalone
+    assert args.metrics_port == 0 and [p["name"] for p in c["ports"]] == ["liveness"], "metrics are off"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001, "the Dockerfile's non-root user"
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -241,13 +245,40 @@ def test_worker_pod_monitor_selects_every_worker_pod_and_its_metrics_port(render
     assert render("-f", CHART / "ci" / "monitoring-values.yaml")[-1]["spec"]["namespaceSelector"] == {"any": True}
 
 
+def test_operator_metrics_endpoint_and_its_pod_monitor(render):
+    docs = render("-f", CHART / "ci" / "operator-metrics-values.yaml")
+    w, c = workload(docs), container(docs)
+    port = next(p for p in c["ports"] if p["name"] == "metrics")
+    assert parse_operator_args(c["args"]).metrics_port == port["containerPort"] == 9100
+    monitors = {pm["metadata"]["name"]: pm for pm in by_kind(docs, "PodMonitor")}
+    assert set(monitors) == {w["metadata"]["name"], w["metadata"]["name"] + "-workers"}
+    pm = monitors[w["metadata"]["name"]]
+    assert pm["metadata"]["labels"]["release"] == "prometheus"
+    assert pm["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": [w["metadata"]["namespace"]]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "metrics.enabled=true", "--set", "metrics.port=8080"], "metrics.port 8080 is livenessPort"),
+    (["--set", "monitoring.operator.podMonitor.enabled=true"], "'/metrics/enabled': value must be true"),
+])
+def test_operator_metrics_misconfigurations_name_the_fix(values, message, helm_home):
+    proc = run_helm("template", "x", CHART, *values, home=helm_home, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
 # ---------------------------------------------------------------- documentation
-def schema_paths(schema: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def schema_paths(schema: dict, prefix: tuple[str, ...] = (), root: dict | None = None) -> list[tuple[str, ...]]:
     """Every option the schema declares, e.g. ("image", "tag"); free-form objects are one option."""
+    root = root or schema
     out = []
     for key, sub in schema.get("properties", {}).items():
+        if "$ref" in sub:  # "#/definitions/<name>"
+            sub = root["definitions"][sub["$ref"].rsplit("/", 1)[-1]]
         out.append((*prefix, key))
-        out.extend(schema_paths(sub, (*prefix, key)))
+        out.extend(schema_paths(sub, (*prefix, key), root))
     return out
 
 
