@@ -145,7 +145,7 @@ def test_unread_blocks_are_freed_at_lease_expiry(tiny_model_dir):
 
 @pytest.mark.slow
 def test_bad_block_ids_fail_only_that_request(tiny_model_dir, reference):
-    prefill = Prefill(tiny_model_dir)
+    prefill = Prefill(tiny_model_dir, lease=4.0)
     decode = make_decode(tiny_model_dir)
     try:
         params = prefill.send({"prompts": PROMPTS})["params"]
@@ -160,6 +160,7 @@ def test_bad_block_ids_fail_only_that_request(tiny_model_dir, reference):
             decode.generate([PROMPTS[0]], GREEDY, kv_transfer_params=[wrong])
         assert decode.engine.kv_cache_manager.num_free_blocks == 96
         after = prefill.send({"cmd": "wait"})  # request 1 was never read: its lease frees it
+        assert after["free"] == after["num_blocks"] and after["expired"] == 1
     finally:
         prefill.close()
         decode.shutdown()

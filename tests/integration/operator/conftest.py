@@ -22,7 +22,7 @@ RESYNC_SECONDS = 0.3
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
-def wait_for(probe: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
+def wait_for(probe: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
     """Poll until probe() returns something truthy; fail with the last value after the deadline."""
     deadline = time.monotonic() + timeout
     last: Any = None
