@@ -33,6 +33,8 @@ HTTP_PORT = 8000
 SIDE_CHANNEL_PORT = 5600
 MODELS_DIR = "/models"  # PVC mount
 CACHE_DIR = "/cache"  # emptyDir: Hugging Face cache and downloads from a URI
+TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
+IPC_LOCK = "IPC_LOCK"  # RDMA only: lets UCX register (pin) memory beyond RLIMIT_MEMLOCK
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,14 @@ def _user_env(env: list[s.EnvVar]) -> list[dict[str, Any]]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
 
 
-def _resources(res: s.Resources, gpus: int = 0) -> dict[str, Any]:
+def _resources(res: s.Resources, extended: dict[str, int] | None = None) -> dict[str, Any]:
+    """`extended`: device-plugin resources (GPUs, RDMA devices) -> count; their request must equal the limit."""
     out: dict[str, Any] = {}
     requests = {k: str(v) for k, v in res.requests.items()}
     limits = {k: str(v) for k, v in res.limits.items()}
-    if gpus:  # extended resources: request must equal limit
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
+    for name, count in (extended or {}).items():
+        if count:
+            requests[name] = limits[name] = str(count)
     if requests:
         out["requests"] = requests
     if limits:
@@ -161,6 +165,30 @@ def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list
     return [], [], []
 
 
+# ---------------------------------------------------------------- security
+def pod_security_context() -> dict[str, Any]:
+    """Every pod: the image's non-root user (UID 10001 in the Dockerfile), the runtime's default seccomp profile."""
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context(add: tuple[str, ...] = ()) -> dict[str, Any]:
+    """No capabilities but `add`, no privilege escalation, a read-only root filesystem: the worker and the router
+    write only to mounted volumes (/tmp, /dev/shm, the model cache)."""
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = list(add)
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": capabilities}
+
+
+def worker_capabilities(spec: s.DisaggregatedInferenceSpec) -> tuple[str, ...]:
+    return (IPC_LOCK,) if spec.kv_transfer.rdma.enabled else ()
+
+
+def _tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, mount) of the writable /tmp."""
+    return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": TMP_DIR}
+
+
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
             "timeoutSeconds": 5}
@@ -175,6 +203,11 @@ def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str,
 def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
     r: s.RoleSpec = getattr(spec, role)
     volumes, mounts, env = _model_volumes(spec)
+    tmp, tmp_mount = _tmp_volume()
+    rdma = spec.kv_transfer.rdma
+    devices = {"nvidia.com/gpu": r.resources.gpus}
+    if rdma.enabled and rdma.resource_name:
+        devices[rdma.resource_name] = 1
     shm: dict[str, Any] = {"medium": "Memory"}
     if r.shared_memory_size is not None:
         shm["sizeLimit"] = str(r.shared_memory_size)
@@ -186,20 +219,22 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"}],
         "env": _downward_env() + env + _user_env(r.env),
-        "resources": _resources(r.resources, r.resources.gpus),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *mounts],
+        "resources": _resources(r.resources, devices),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_mount, *mounts],
         # loading weights can take long: the startup probe holds liveness off until /health answers
         "startupProbe": _probe("/health", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
+        "securityContext": container_security_context(worker_capabilities(spec)),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     if r.drain_delay_seconds:  # /ready turns false on SIGTERM; the wait lets the router notice first
         container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}
     pod_spec: dict[str, Any] = {
+        "securityContext": pod_security_context(),
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": shm}, *volumes],
+        "volumes": [{"name": "dshm", "emptyDir": shm}, tmp, *volumes],
         "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
         **_placement(r),
     }
@@ -223,6 +258,7 @@ def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
 
 
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    tmp, tmp_mount = _tmp_volume()
     container: dict[str, Any] = {
         "name": "router", "image": spec.image, "command": ["disagg"], "args": router_args(owner, spec),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
@@ -230,11 +266,14 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
         "resources": _resources(spec.router.resources),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),  # 503 until the router sees a decode endpoint
+        "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK
+        "volumeMounts": [tmp_mount],
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner, "router"), "containers": [container],
-                                **_placement(spec.router)}
+    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner, "router"),
+                                "securityContext": pod_security_context(), "containers": [container],
+                                "volumes": [tmp], **_placement(spec.router)}
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {

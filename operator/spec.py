@@ -84,12 +84,26 @@ class ModelSpec(_Model):
 
 
 # ---------------------------------------------------------------- kv transfer
+# an extended resource a device plugin advertises: "<prefix>/<name>", e.g. rdma/ib, rdma/hca_shared_devices_a
+EXTENDED_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+class RdmaSpec(_Model):
+    """KV transfer over RDMA (InfiniBand/RoCE): UCX registers (pins) the memory it transfers."""
+    enabled: bool = Field(False, description="Prefill and decode containers get the IPC_LOCK capability "
+                          "(memory registration); off: they get no capability at all.")
+    resource_name: str | None = Field(None, max_length=253, pattern=EXTENDED_RESOURCE_PATTERN,
+                                      description="RDMA device resource of your device plugin, e.g. rdma/ib: "
+                                      "each prefill and decode pod requests and limits 1 (only when enabled).")
+
+
 class KVTransferSpec(_Model):
     connector: str = Field("NixlConnector", min_length=1, max_length=256,
                            description="NixlConnector, SharedStorageConnector or 'package.module:Class'.")
     lease_seconds: int = Field(30, ge=1, le=3600,
                                description="Prefill frees KV blocks not read by decode within this time.")
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    rdma: RdmaSpec = Field(default_factory=RdmaSpec)
 
 
 # ---------------------------------------------------------------- pod scheduling bits
@@ -346,8 +360,14 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
                                 f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
     if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
         problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))
+    rdma = spec.kv_transfer.rdma
     for role in ("prefill", "decode"):
         r: RoleSpec = getattr(spec, role)
+        if rdma.enabled and rdma.resource_name and \
+                rdma.resource_name in {*r.resources.requests, *r.resources.limits}:
+            problems.append(Problem(f"spec.{role}.resources",
+                                    f"{rdma.resource_name} is requested by kvTransfer.rdma.resourceName already "
+                                    "(1 per pod): remove it here"))
         if r.drain_delay_seconds >= r.termination_grace_period_seconds:
             problems.append(Problem(f"spec.{role}.drainDelaySeconds",
                                     f"{r.drain_delay_seconds} must be below terminationGracePeriodSeconds "

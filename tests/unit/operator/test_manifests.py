@@ -49,9 +49,10 @@ def test_model_source(source, model_arg, volume, mount, hf_home):
     dep = m.build_worker_deployment(OWNER, spec_with(**{"model.source": source}), "decode")
     c = container(dep)
     assert arg(c, "--model") == model_arg
-    volumes = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] != "dshm"]
+    volumes = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] not in ("dshm", "tmp")]
     assert [next(k for k in v if k != "name") for v in volumes] == ([volume] if volume else [])
-    assert [vm["mountPath"] for vm in c["volumeMounts"] if vm["name"] != "dshm"] == ([mount] if mount else [])
+    assert [vm["mountPath"] for vm in c["volumeMounts"] if vm["name"] not in ("dshm", "tmp")] == \
+        ([mount] if mount else [])
     assert any(e["name"] == "HF_HOME" for e in c["env"]) == hf_home
 
 
@@ -122,10 +123,67 @@ def test_worker_pod_contract():
     assert dep["metadata"]["ownerReferences"] == [OWNER.reference()]
 
 
+# ---------------------------------------------------------------- security
+RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def restricted_container(*add: str) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"], **({"add": list(add)} if add else {})}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": caps}
+
+
+@pytest.mark.parametrize("rdma, component, add, device", [
+    (None, "prefill", (), None),  # default: no capability, no RDMA device
+    (None, "decode", (), None),
+    (None, "router", (), None),
+    ({"enabled": True}, "prefill", ("IPC_LOCK",), None),
+    ({"enabled": True, "resourceName": "rdma/ib"}, "prefill", ("IPC_LOCK",), "rdma/ib"),
+    ({"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}, "decode", ("IPC_LOCK",),
+     "rdma/hca_shared_devices_a"),
+    ({"enabled": True, "resourceName": "rdma/ib"}, "router", (), None),  # the router only moves HTTP
+    ({"enabled": False, "resourceName": "rdma/ib"}, "decode", (), None),  # switched off: the name is kept, unused
+])
+def test_security_context_and_rdma(rdma, component, add, device):
+    spec = spec_with(**({"kvTransfer.rdma": rdma} if rdma else {}))
+    dep = m.build_router_deployment(OWNER, spec) if component == "router" else \
+        m.build_worker_deployment(OWNER, spec, component)
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert pod["securityContext"] == RESTRICTED_POD
+    assert c["securityContext"] == restricted_container(*add)
+    assert not {"hostNetwork", "hostIPC", "hostPID"} & pod.keys()
+    res = c.get("resources", {})
+    devices = {k for k in (*res.get("requests", {}), *res.get("limits", {})) if "/" in k and "gpu" not in k}
+    assert devices == ({device} if device else set())
+    if device:  # an extended resource: request = limit
+        assert res["requests"][device] == res["limits"][device] == "1"
+    if component != "router":
+        assert res["limits"]["nvidia.com/gpu"] == "1", "the GPUs stay"
+
+
+@pytest.mark.parametrize("component", ["prefill", "decode", "router"])
+def test_read_only_root_filesystem_leaves_the_paths_the_process_writes(component):
+    """The worker writes /dev/shm (NCCL/UCX/torch shared memory), the model cache (HF_HOME) and /tmp; the router
+    only /tmp. Each must be a mounted volume."""
+    spec = spec_with(**{"model.source": {"huggingFace": "Qwen/Qwen2.5-0.5B"}})
+    dep = m.build_router_deployment(OWNER, spec) if component == "router" else \
+        m.build_worker_deployment(OWNER, spec, component)
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {vm["mountPath"]: vm["name"] for vm in c["volumeMounts"]}
+    writable = ["/tmp"] if component == "router" else \
+        ["/tmp", "/dev/shm", next(e["value"] for e in c["env"] if e["name"] == "HF_HOME")]
+    for path in writable:
+        mount = next((mp for mp in mounts if path == mp or path.startswith(mp + "/")), None)
+        assert mount is not None, f"{path} is not on a mounted volume"
+        volume = next(v for v in pod["volumes"] if v["name"] == mounts[mount])
+        assert "emptyDir" in volume, volume
+
+
 @pytest.mark.parametrize("changes, revision_changes, prefill_rolls, decode_rolls", [
     ({"image": "img:2"}, True, True, True),
     ({"model.maxModelLen": 4096}, True, True, True),
     ({"kvTransfer.leaseSeconds": 60}, True, True, True),
+    ({"kvTransfer.rdma": {"enabled": True}}, True, True, True),  # both pools must use the same transport
     ({"prefill.env": [{"name": "X", "value": "1"}]}, False, True, False),
     ({"decode.replicas": 9}, False, False, False),  # scaling never rolls pods
     ({"router.policy": "round-robin"}, False, False, False),
@@ -175,10 +233,11 @@ def test_builders_are_deterministic():
     assert m.desired_children(OWNER, spec_with()) == m.desired_children(OWNER, spec_with())
 
 
-def test_children_validate_against_kubernetes_schemas(tmp_path: Path):
+@pytest.mark.parametrize("changes", [{}, {"kvTransfer.rdma": {"enabled": True, "resourceName": "rdma/ib"}}])
+def test_children_validate_against_kubernetes_schemas(changes, tmp_path: Path):
     pytest.importorskip("kubernetes_validate")
     f = tmp_path / "children.yaml"
-    f.write_text(yaml.safe_dump_all(m.desired_children(OWNER, spec_with())))
+    f.write_text(yaml.safe_dump_all(m.desired_children(OWNER, spec_with(**changes))))
     out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.30.0", "--quiet",
                           str(f)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

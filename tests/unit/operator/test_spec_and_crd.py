@@ -86,6 +86,7 @@ def test_examples_pass_disagg_validate(path: Path, capsys: pytest.CaptureFixture
     {"model.source": {"huggingFace": "a/b", "uri": "s3://x"}},  # at most one source
     {"decode.resources": {"requests": {"memory": "lots"}}},  # quantity pattern
     {"autoscaling.targets": {"decode": {"kvCacheUsagePercent": 101}}},
+    {"kvTransfer.rdma": {"enabled": True, "resourceName": "ib"}},  # a device-plugin resource has a prefix
 ])
 def test_schema_and_models_both_reject(changes: dict[str, Any]):
     doc = with_spec(**changes)
@@ -104,6 +105,8 @@ def test_schema_and_models_both_reject(changes: dict[str, Any]):
     ({"kvTransfer.leaseSeconds": 110}, "spec.prefill.terminationGracePeriodSeconds"),
     ({"model.source": {}}, "spec.model.source"),
     ({"image": None}, "spec.image"),
+    ({"kvTransfer.rdma": {"enabled": True, "resourceName": "rdma/ib"},
+      "prefill.resources": {"gpus": 1, "limits": {"rdma/ib": 2}}}, "spec.prefill.resources"),
 ])
 def test_schema_accepts_but_operator_rejects(changes: dict[str, Any], path: str):
     doc = with_spec(**changes)
