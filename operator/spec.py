@@ -35,7 +35,7 @@ Quantity = Annotated[int, Field(ge=0)] | Annotated[str, StringConstraints(patter
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
 
 
 class _FreeForm(BaseModel):

@@ -176,7 +176,7 @@ def test_spec_update_rolls_both_pools_and_stays_progressing_until_both_run_it(cl
     before = {r: copy.deepcopy(deployment(cluster, r)) for r in ROLES}
     old_revision = cr(cluster)["status"]["revision"]
 
-    patch_spec(cluster, {"image": "ghcr.io/example/disagg-worker:0.2.0"})
+    patch_spec(cluster, {"image": "registry.example.com/disagg-worker:0.2.0"})
     wait_for(lambda: deployment(cluster, "decode")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
         "0.2.0") and deployment(cluster, "prefill")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(
         "0.2.0"), what="new image in both pools")

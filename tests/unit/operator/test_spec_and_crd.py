@@ -87,6 +87,8 @@ def test_examples_pass_disagg_validate(path: Path, capsys: pytest.CaptureFixture
     {"decode.resources": {"requests": {"memory": "lots"}}},  # quantity pattern
     {"autoscaling.targets": {"decode": {"kvCacheUsagePercent": 101}}},
     {"kvTransfer.rdma": {"enabled": True, "resourceName": "ib"}},  # a device-plugin resource has a prefix
+    {"autoscaling.enabled": "yes"},  # no string-to-bool coercion: the models are as strict as the schema
+    {"prefill.replicas": "2"},
 ])
 def test_schema_and_models_both_reject(changes: dict[str, Any]):
     doc = with_spec(**changes)
