@@ -1,6 +1,7 @@
 """Autoscaling replay: a bursty trace against per-pod capacity models, three ways of provisioning.
 
-- ours: disagg.operator.autoscale.decide on the pods' exported metrics (queue, TTFT, KV usage, ITL, KV-transfer).
+- ours: disagg.operator.autoscale.decide on the pods' exported metrics (queue, prompt tokens, TTFT, KV usage, ITL,
+  KV-transfer), projecting demand one pod start-up ahead.
 - static peak: fixed pools sized for the trace's busiest minute (spikes included) plus 10% headroom.
 - queue per role: each pool scaled on its own vllm:num_requests_waiting (the common KEDA recipe), same HPA
   machinery (tolerance, down window, step) so only the signals differ.
@@ -12,11 +13,14 @@ congested (x`--jam-factor`, default 0.2) for 150 s mid-morning, so a transfer-bo
 SLOs: TTFT <= 15x the prefill time of a 1024-token prompt; per-request mean ITL <= the decode step at 75% of max_num_seqs.
 
     python bench/autoscale_sim.py [--profile measured|gpu] [--duration 7200] [--seed 0]
+    python bench/autoscale_sim.py --save-capacity cap.json   # measure once; replay with --capacity cap.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import json
 import math
 import time
 
@@ -108,12 +112,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jam-factor", type=float, default=0.2, help="fabric bandwidth during the congestion episode")
     ap.add_argument("--dt", type=float, default=0.2)
+    ap.add_argument("--save-capacity", metavar="JSON", help="write the capacity used (to replay a measured one)")
+    ap.add_argument("--capacity", metavar="JSON", help="replay a capacity written by --save-capacity")
     args = ap.parse_args()
 
-    if args.profile == "gpu":
+    if args.capacity:
+        with open(args.capacity) as f:
+            cap, raw = PodCapacity(**json.load(f)), None
+    elif args.profile == "gpu":
         cap, raw = GPU_H100_LLAMA8B, None
     else:
         cap, raw = measure_capacity()
+    if args.save_capacity:
+        with open(args.save_capacity, "w") as f:
+            json.dump(dataclasses.asdict(cap), f, indent=1)
     ttft_slo, itl_slo = slos(cap)
     morning_prompt = (0.4 * RAG.prompt_median + 0.1 * GENERATE.prompt_median + 0.5 * CHAT.prompt_median)
     morning_prompt *= LOGNORMAL_MEAN
@@ -132,6 +144,8 @@ def main() -> None:
         kv_cache_usage=0.7, itl_seconds=0.8 * itl_slo, xfer_time_seconds=0.1 * ttft_slo, pending_sends_per_pod=4,
         tolerance=0.1, scale_up_window_seconds=0, scale_down_window_seconds=DOWN_WINDOW_S, max_step=MAX_STEP,
         stale_after_seconds=3 * INTERVAL_S, latency_quantile=0.9,
+        # predictive scale-up over the pods' start-up, sized for 80% busy prefill pods, HPA's default step (x2)
+        scale_up_lookahead_seconds=cap.startup_s, prefill_utilization=0.8, max_step_percent=100,
     )
     print(f"capacity: {cap.source}")
     if raw:

@@ -14,6 +14,7 @@ from autoscale_sim_capacity import PodCapacity
 from autoscale_sim_trace import TraceRequest
 
 from disagg.operator import metrics_source as m
+from disagg.operator.autoscale import PROMPT_TOKENS
 from disagg.operator.metrics_source import Histogram, PodSample
 
 TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -67,6 +68,7 @@ class PrefillPod(Pod):
     free_at: float = 0.0
     kv_used: int = 0  # prompt tokens held until decode pulls them
     sends: int = 0  # requests whose KV waits here to be pulled
+    prompt_tokens: int = 0  # prefilled so far (the vllm:prompt_tokens counter)
 
 
 @dataclass(eq=False)
@@ -136,15 +138,18 @@ class Simulation:
         out = {}
         for role in ("prefill", "decode"):
             pods = self.ready(role, t)
-            queue = len(self.prefill_queue) if role == "prefill" else len(self.decode_wait)
-            out[role] = [self._sample(p, role, t, queue / max(1, len(pods))) for p in pods]
+            queue = self.prefill_queue if role == "prefill" else self.decode_wait
+            share = 1 / max(1, len(pods))
+            tokens = sum(r.spec.prompt for r in queue) * share if role == "prefill" else 0.0
+            out[role] = [self._sample(p, role, t, len(queue) * share, tokens) for p in pods]
         return out
 
-    def _sample(self, p: Pod, role: str, t: float, waiting: float) -> PodSample:
+    def _sample(self, p: Pod, role: str, t: float, waiting: float, waiting_tokens: float) -> PodSample:
         hists = {m.TTFT: p.ttft.snapshot(), m.XFER_TIME: p.xfer.snapshot()}
         if isinstance(p, PrefillPod):
             values = {m.NUM_REQUESTS_WAITING: waiting, m.NUM_REQUESTS_RUNNING: float(p.free_at > t),
-                      m.KV_CACHE_USAGE: p.kv_used / self.cap.prefill_kv_tokens, m.PENDING_SENDS: p.sends}
+                      m.KV_CACHE_USAGE: p.kv_used / self.cap.prefill_kv_tokens, m.PENDING_SENDS: p.sends,
+                      m.WAITING_PROMPT_TOKENS: waiting_tokens, PROMPT_TOKENS: p.prompt_tokens}
         else:
             values = {m.NUM_REQUESTS_WAITING: waiting, m.NUM_REQUESTS_RUNNING: len(p.running),
                       m.KV_CACHE_USAGE: p.kv_reserved / self.cap.decode_kv_tokens, m.PENDING_LOADS: p.loading}
@@ -186,6 +191,7 @@ class Simulation:
                 start = max(p.free_at, r.spec.arrival, t)
                 p.free_at = r.prefill_done = start + cap.prefill_s(r.spec.prompt)
                 p.kv_used += r.spec.prompt
+                p.prompt_tokens += r.spec.prompt
                 p.sends += 1
                 r.ppod = p
                 p.ttft.observe(r.prefill_done - r.spec.arrival)
@@ -239,11 +245,11 @@ class Simulation:
             gain = self.dt / step
             before = p.progress
             p.progress += gain
+            p.itl.observe(step, gain * len(p.running))  # per token as produced, as the worker does
             while p.running and p.running[0][0] <= p.progress:
                 target, _, r = heapq.heappop(p.running)
                 r.finished = max(r.first_token, t + self.dt * (target - before) / gain)
                 r.itl = (r.finished - r.first_token) / max(1, r.spec.output - 1)
-                p.itl.observe(r.itl, r.spec.output - 1)
                 p.kv_reserved -= r.spec.prompt + r.spec.output
 
     # ------------------------------------------------------------ the whole trace

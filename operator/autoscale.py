@@ -8,6 +8,13 @@ inside the tolerance; stabilization windows; a step limit; min/max) plus what th
 - TransferBound: transfers slow or failing while both pools are within their targets. Nothing scales up: more pods
   do not add fabric bandwidth.
 - PrefillBound: prefill over its targets with no KV back-pressure.
+With scale_up_lookahead_seconds (the pods' start-up time) the policy is start-up aware:
+- starting pods (current replicas without a fresh sample: only ready pods are scraped) count as capacity on the
+  way, as HPA treats unready pods: per-pod values are scaled from the ready pods, no scale-up they already cover;
+- scale-up also acts on demand projected one start-up ahead from the growth since the previous decision
+  (`project`): prefill from arrival vs measured throughput in prompt tokens, decode from KV usage's growth.
+  Scale-down never follows a projection; prefill's measured throughput keeps it from going below the pods the
+  arrival needs at policy.prefill_utilization.
 Missing or stale samples -> hold (current replicas, clamped into min/max), with a condition naming the pods.
 """
 from __future__ import annotations
@@ -19,6 +26,7 @@ from disagg.operator import metrics_source as m
 from disagg.operator.metrics_source import PodSample, histogram_delta, histogram_quantile, merge_histograms
 
 ROLES = ("prefill", "decode")
+PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: prompt tokens a worker has prefilled
 
 
 # ---------------------------------------------------------------- policy
@@ -48,6 +56,12 @@ class AutoscalePolicy:
     ratio_max: tuple[int, int] | None = None
     stale_after_seconds: float = 45.0  # a sample older than this is stale
     latency_quantile: float | None = 0.9  # None: windowed mean
+    # Start-up aware scaling (0: off): seconds from ordering a pod to its serving. Starting pods then count as
+    # capacity on the way, and the queue's and KV usage's growth is projected this far ahead for scale-up (only:
+    # scale-down stays on current load).
+    scale_up_lookahead_seconds: float = 0.0
+    max_step_percent: float | None = None  # scale-up step also allowed up to this % of current (HPA: 100 per 15 s)
+    prefill_utilization: float = 1.0  # with a lookahead: the prefill pods' busy fraction to size for (0..1]
 
     def bounds(self, role: str) -> RoleBounds:
         return self.prefill if role == "prefill" else self.decode
@@ -103,6 +117,8 @@ class RoleMetrics:
     xfer_time: float | None = None  # seconds, same window
     failed_transfers: float = 0.0  # in the window
     expired_leases: float = 0.0  # in the window
+    prompt_tokens_rate: float | None = None  # prompt tokens/s served in the window (vllm:prompt_tokens), all pods
+    rate_pods: int = 0  # pods that rate was measured on (those with a previous sample)
 
 
 def _required(role: str, policy: AutoscalePolicy) -> list[str]:
@@ -133,11 +149,17 @@ def aggregate_role(role: str, samples: list[PodSample], previous: dict[str, PodS
     rm.kv_cache_usage = sum(usage) / len(usage) if usage else None
     rm.pending_sends = sum(v(s, m.PENDING_SENDS) for s in fresh)
     rm.pending_loads = sum(v(s, m.PENDING_LOADS) for s in fresh)
+    served, seconds = 0.0, []
     for s in fresh:
         prev = previous.get(s.pod)
+        if (prev is not None and PROMPT_TOKENS in s.values and PROMPT_TOKENS in prev.values
+                and s.timestamp > prev.timestamp):
+            served += max(0.0, s.values[PROMPT_TOKENS] - prev.values[PROMPT_TOKENS]) / (s.timestamp - prev.timestamp)
+            rm.rate_pods += 1
         if prev is not None:
             rm.failed_transfers += max(0.0, v(s, m.FAILED_TRANSFERS) - v(prev, m.FAILED_TRANSFERS))
             rm.expired_leases += max(0.0, v(s, m.EXPIRED_LEASES) - v(prev, m.EXPIRED_LEASES))
+    rm.prompt_tokens_rate = served if rm.rate_pods else None
     rm.ttft = _window_latency(m.TTFT, fresh, previous, policy.latency_quantile)
     rm.itl = _window_latency(m.ITL, fresh, previous, policy.latency_quantile)
     rm.xfer_time = _window_latency(m.XFER_TIME, fresh, previous, policy.latency_quantile)
@@ -172,6 +194,17 @@ class ScalingHistory:
 
     recommendations: dict[str, list[Recommendation]] = field(default_factory=dict)  # role -> oldest first
     last_samples: dict[str, PodSample] = field(default_factory=dict)  # pod -> its previous fresh sample
+    levels: dict[str, RoleLevels] = field(default_factory=dict)  # role -> its levels at the previous decision
+
+
+@dataclass(frozen=True)
+class RoleLevels:
+    """A role's levels at one decision: the next decision's growth rates come from them."""
+
+    time: float  # seconds, the injected clock
+    waiting_prompt_tokens: float  # sum over pods
+    kv_cache_usage: float | None  # mean over pods, fraction
+    prefill_tokens_per_pod_second: float | None  # last measured while every pod was busy (queue at both ends)
 
 
 @dataclass(frozen=True)
@@ -221,7 +254,10 @@ def decide(samples_by_role: dict[str, list[PodSample]], current_replicas: dict[s
     bad = _metrics_problem(rms, current_replicas)
     if bad is not None:
         return hold_decision(bad[0], bad[1], rms, current_replicas, policy, history, now)
-    return scale_decision(classify(rms, current_replicas, policy), rms, current_replicas, policy, history, now)
+    projected, levels = project(rms, current_replicas, policy, history.levels, now)
+    history = replace(history, levels=levels)
+    return scale_decision(classify(rms, current_replicas, policy, projected), rms, current_replicas, policy, history,
+                          now)
 
 
 def _metrics_problem(rms: dict[str, RoleMetrics], current: dict[str, int]) -> tuple[str, str] | None:
@@ -236,6 +272,49 @@ def _metrics_problem(rms: dict[str, RoleMetrics], current: dict[str, int]) -> tu
     return None
 
 
+# ---------------------------------------------------------------- projection: demand one start-up delay ahead
+def project(rms: dict[str, RoleMetrics], current: dict[str, int], policy: AutoscalePolicy,
+            previous: dict[str, RoleLevels], now: float) -> tuple[dict[str, tuple[float, bool]], dict[str, RoleLevels]]:
+    """Replicas each role will need when a pod ordered now serves (policy.scale_up_lookahead_seconds), from the
+    growth since the previous decision. Returns role -> (pods, whether they also floor a scale-down), and the
+    levels to remember. Decode only when above current (outside the tolerance).
+
+    prefill: arrival = served prompt tokens/s (vllm:prompt_tokens) + the queue's growth; pods needed = arrival /
+    per-pod throughput (measured while every pod was busy) + the queue projected one lookahead ahead, drained over
+    the next lookahead. decode: KV usage projected one lookahead ahead (concurrency grows with requests' length)."""
+    p, d, horizon, tol = rms["prefill"], rms["decode"], policy.scale_up_lookahead_seconds, policy.tolerance
+    prev_p, prev_d = previous.get("prefill"), previous.get("decode")
+    per_pod = prev_p.prefill_tokens_per_pod_second if prev_p else None
+    pulled = p.pending_sends <= policy.pending_sends_per_pod * max(1, p.pods)  # else idle behind unsent KV
+    if (prev_p and prev_p.waiting_prompt_tokens > 0 and p.waiting_prompt_tokens > 0 and p.prompt_tokens_rate
+            and p.rate_pods and pulled):
+        per_pod = p.prompt_tokens_rate / p.rate_pods  # busy the whole window: this is what a pod can do
+    levels = {"prefill": RoleLevels(now, p.waiting_prompt_tokens, p.kv_cache_usage, per_pod),
+              "decode": RoleLevels(now, d.waiting_prompt_tokens, d.kv_cache_usage, None)}
+    out: dict[str, tuple[float, bool]] = {}
+    if horizon <= 0:
+        return out, levels
+    cp, cd = current.get("prefill", 0), current.get("decode", 0)
+    if prev_p and now > prev_p.time and p.prompt_tokens_rate is not None:
+        growth = (p.waiting_prompt_tokens - prev_p.waiting_prompt_tokens) / (now - prev_p.time)  # tokens/s
+        # a pod's throughput not measured yet: what it served is a lower bound (an upper bound on the pods needed,
+        # so it only scales up while the queue grows, never sets a floor)
+        mu = per_pod or (p.prompt_tokens_rate / p.rate_pods if p.rate_pods else 0.0)
+        if mu > 0 and (per_pod or growth > 0):
+            queue = p.waiting_prompt_tokens + max(0.0, growth) * horizon
+            busy = policy.prefill_utilization if per_pod else 1.0
+            need = (p.prompt_tokens_rate + growth) / (mu * busy) + queue / (mu * horizon)
+            out["prefill"] = (need, per_pod is not None)
+    if (prev_d and now > prev_d.time and policy.kv_cache_usage and d.kv_cache_usage is not None
+            and prev_d.kv_cache_usage is not None):
+        growth = max(0.0, (d.kv_cache_usage - prev_d.kv_cache_usage) / (now - prev_d.time))  # fraction/s
+        usage = d.kv_cache_usage + growth * horizon
+        need = d.pods * usage / policy.kv_cache_usage
+        if need > cd * (1 + tol):
+            out["decode"] = (need, False)
+    return out, levels
+
+
 # ---------------------------------------------------------------- classification: who may scale, and why
 @dataclass
 class Classification:
@@ -246,12 +325,18 @@ class Classification:
     transfer_message: str = ""
 
 
-def _desired_for(current: int, ratio: float | None, tolerance: float) -> int | None:
-    """HPA: ceil(current x value/target), or current inside the tolerance. `ratio` = value/target."""
+def _desired_for(current: int, ratio: float | None, tolerance: float, ready: int | None = None) -> int | None:
+    """HPA: ceil(current x value/target), or current inside the tolerance. `ratio` = value/target.
+    `ready`: pods the value was measured on, when fewer than `current` (the others are starting). As HPA does for
+    unready pods, the value is then scaled from the ready pods only, and the starting pods count as capacity on
+    the way: no scale-up they already cover (a latency stays high until they serve), and no scale-down while
+    they start."""
     if ratio is None:
         return None
     if abs(ratio - 1.0) <= tolerance:
         return current
+    if ready is not None and ready < current:
+        return max(current, math.ceil(ready * ratio - 1e-9))
     return math.ceil(current * ratio - 1e-9)
 
 
@@ -266,7 +351,9 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: AutoscalePolicy) -> Classification:
+def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: AutoscalePolicy,
+             projected: dict[str, tuple[float, bool]] | None = None) -> Classification:
+    """`projected`: scale-up recommendations from project(), gated like the current metrics' ones."""
     p, d = rms["prefill"], rms["decode"]
     cp, cd, tol = current.get("prefill", 0), current.get("decode", 0), policy.tolerance
     p_ratios = [_sum_ratio(p.waiting_requests, policy.waiting_requests_per_pod, cp),
@@ -279,8 +366,19 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
     xfer_ratio = _div(xfer_time, policy.xfer_time_seconds)
     failed, expired = p.failed_transfers + d.failed_transfers, p.expired_leases + d.expired_leases
 
-    rec = {"prefill": max([x for x in (_desired_for(cp, r, tol) for r in p_ratios) if x is not None], default=cp),
-           "decode": max([x for x in (_desired_for(cd, r, tol) for r in d_ratios) if x is not None], default=cd)}
+    # start-up aware (a lookahead set): every per-pod value is judged on the pods serving (fresh samples come from
+    # ready pods only); starting pods are capacity on the way
+    aware = policy.scale_up_lookahead_seconds > 0
+    p_recs = [_desired_for(cp, r, tol, p.pods if aware else None) for r in p_ratios]
+    d_recs = [_desired_for(cd, r, tol, d.pods if aware else None) for r in d_ratios]
+    rec = {"prefill": max([x for x in p_recs if x is not None], default=cp),
+           "decode": max([x for x in d_recs if x is not None], default=cd)}
+    for role, (need, floor) in (projected or {}).items():
+        c, n = current.get(role, 0), math.ceil(need - 1e-9)
+        if need > c * (1 + tol):
+            rec[role] = max(rec[role], n)
+        elif floor and rec[role] < c:  # a latency under target says little about how many pods the load needs
+            rec[role] = max(rec[role], min(c, n))
     p_over, d_over = rec["prefill"] > cp, rec["decode"] > cd
     backlog = sends_ratio > 1 + tol or expired > 0  # KV waits at prefill to be pulled
     slow = [f"transfer time {xfer_time:.3f}s over target {policy.xfer_time_seconds:.3f}s"
@@ -388,8 +486,11 @@ def scale_decision(c: Classification, rms: dict[str, RoleMetrics], current: dict
         elif rec > cur and stab <= cur:
             reason = "ScaleUpStabilizing"
         limited = None
-        if abs(stab - cur) > policy.max_step:
-            stab, limited = cur + policy.max_step * (1 if stab > cur else -1), "StepLimited"
+        step = policy.max_step
+        if stab > cur and policy.max_step_percent is not None:
+            step = max(step, math.ceil(cur * policy.max_step_percent / 100 - 1e-9))
+        if abs(stab - cur) > step:
+            stab, limited = cur + step * (1 if stab > cur else -1), "StepLimited"
         desired, clamped = _clamp(role, stab, policy)
         roles[role] = RoleDecision(cur, desired, reason, rec, clamped or limited)
     want = {r: roles[r].desired for r in ROLES}

@@ -9,7 +9,7 @@ import pytest
 
 from disagg.operator import metrics_source as m
 from disagg.operator.autoscale import (
-    AutoscalePolicy, RoleBounds, ScalingHistory, aggregate_role, decide, policy_from_spec,
+    PROMPT_TOKENS, AutoscalePolicy, RoleBounds, RoleLevels, ScalingHistory, aggregate_role, decide, policy_from_spec,
 )
 from disagg.operator.metrics_source import Histogram, PodSample
 from disagg.operator.spec import AutoscalingSpec
@@ -278,3 +278,93 @@ def test_policy_from_spec():
     assert (tuned.latency_quantile, tuned.stale_after_seconds) == (None, 7)
     assert (tuned.waiting_prompt_tokens_per_pod, tuned.pending_sends_per_pod) == (512, 5)
     assert policy_from_spec(AutoscalingSpec.model_validate({"latencyPercentile": 99})).latency_quantile == 0.99
+
+
+# ---------------------------------------------------------------- start-up aware: starting pods, projected growth
+AWARE = {"scale_up_lookahead_seconds": 45}
+
+
+@pytest.mark.parametrize("name, overrides, decode, desired, reason", [
+    # 2 of 4 decode pods serve (2 start): KV at 1.2x target on the 2 -> 2.4 pods' worth, the 4 cover it
+    ("starting pods cover it", AWARE, {"kv": 0.96}, 4, "WithinTolerance"),
+    ("beyond the starting pods", AWARE, {"kv": 2.4}, 6, "DecodeBound"),
+    ("no scale-down while pods start", AWARE, {"kv": 0.2}, 4, "WithinTolerance"),
+    ("not start-up aware: ratio x all replicas", {}, {"kv": 0.96}, 5, "DecodeBound"),
+])
+def test_starting_pods_count_as_capacity(name, overrides, decode, desired, reason):
+    samples, history = world({"waiting": 8}, decode, n_p=2, n_d=2)
+    d = decide(samples, {"prefill": 2, "decode": 4}, replace(POLICY, **overrides), history, NOW)
+    assert (d.desired["decode"], d.roles["decode"].reason) == (desired, reason)
+
+
+def prefill_pods(t: float, n: int, waiting_tokens: float, served_tokens: float, waiting: float = 8) -> list:
+    """n prefill pods: the queue (requests, prompt tokens) and the vllm:prompt_tokens counter split evenly."""
+    return [PodSample(f"prefill-{i}", "prefill", t, {m.NUM_REQUESTS_WAITING: waiting / n,
+                                                    m.WAITING_PROMPT_TOKENS: waiting_tokens / n,
+                                                    PROMPT_TOKENS: served_tokens / n}) for i in range(n)]
+
+
+def run_prefill(policy, reads, n=2):
+    """reads: (t, waiting prompt tokens, prompt tokens served so far, waiting requests) -> the last decision."""
+    history = ScalingHistory()
+    for t, tokens, served, waiting in reads:
+        samples = {"prefill": prefill_pods(t, n, tokens, served, waiting),
+                   "decode": [pod_sample("decode", i, t, 2, BUSY_DECODE, 0) for i in range(2)]}
+        d = decide(samples, {"prefill": n, "decode": 2}, policy, history, t)
+        history = d.history
+    return d
+
+
+@pytest.mark.parametrize("name, overrides, reads, desired, reason", [
+    # 2 pods serve 2000 tokens/s while the queue grows 1000 tokens/s: arrival 3000/s needs 3 pods, and the queue
+    # projected 45 s ahead (60k tokens) drained over the next 45 s needs 1.33 more -> 5, while the queue (8
+    # requests) is still at its target
+    ("growth scales up before the queue breaches", AWARE, [(0, 0, 0, 8), (15, 15_000, 30_000, 8)], 5,
+     "PrefillBound"),
+    ("same reads, not start-up aware", {}, [(0, 0, 0, 8), (15, 15_000, 30_000, 8)], 2, "WithinTolerance"),
+    ("no queue, throughput unknown: no projection", AWARE, [(0, 0, 0, 8), (15, 0, 15_000, 8)], 2,
+     "WithinTolerance"),
+    # busy the whole window (queue at both reads): 1000 tokens/s a pod; arrival 2000/s at 80% busy -> 2.5 pods
+    ("measured throughput at the utilization target", {**AWARE, "prefill_utilization": 0.8},
+     [(0, 2000, 0, 8), (15, 2000, 30_000, 8)], 3, "PrefillBound"),
+    # the queue empties: the projection never scales down; the queue target does (to 1, down window 0)
+    ("shrinking queue is no scale-down signal", AWARE, [(0, 30_000, 0, 8), (15, 0, 30_000, 0)], 1,
+     "Underutilized"),
+    # busy pods, 1 request waiting: the queue target alone says 1 pod, the measured throughput says 2.04 are needed
+    # (inside the tolerance of 2: no scale-up either)
+    ("throughput floors the scale-down", AWARE, [(0, 2000, 0, 8), (15, 2000, 30_000, 1)], 2, "WithinTolerance"),
+])
+def test_prefill_projection(name, overrides, reads, desired, reason):
+    d = run_prefill(replace(POLICY, ttft_seconds=None, **overrides), reads)
+    assert (d.desired["prefill"], d.roles["prefill"].reason) == (desired, reason)
+
+
+@pytest.mark.parametrize("name, overrides, before, now, desired", [
+    # KV 0.3 -> 0.6 in 15 s: 1.5 projected 45 s ahead on 2 pods at target 0.8 -> 3.75 -> 4, before any breach
+    ("KV growth scales up ahead", AWARE, 0.3, 0.6, 4),
+    ("not start-up aware", {}, 0.3, 0.6, 2),
+    ("falling KV: no projection", AWARE, 0.9, 0.6, 2),
+])
+def test_decode_projection(name, overrides, before, now, desired):
+    samples, history = world({"waiting": 8}, {"kv": now})
+    history = replace(history, levels={"decode": RoleLevels(NOW - INTERVAL, 0.0, before, None)})
+    d = decide(samples, {"prefill": 2, "decode": 2}, replace(POLICY, **overrides), history, NOW)
+    assert d.desired["decode"] == desired
+    assert d.history.levels["decode"].kv_cache_usage == now
+
+
+@pytest.mark.parametrize("name, overrides, current, prefill, desired", [
+    ("percent step doubles", {"max_step": 1, "max_step_percent": 100}, 4, {"waiting": 200}, 8),
+    ("fixed step when larger", {"max_step": 6, "max_step_percent": 100}, 4, {"waiting": 200}, 10),
+    ("percent step is for scale-up only", {"max_step": 1, "max_step_percent": 100}, 8, IDLE, 7),
+])
+def test_percent_step(name, overrides, current, prefill, desired):
+    samples, history = world(prefill, BUSY_DECODE, n_p=current)
+    d = decide(samples, {"prefill": current, "decode": 2}, replace(POLICY, prefill=RoleBounds(1, 50), **overrides),
+               history, NOW)
+    assert d.desired["prefill"] == desired
+
+
+def test_policy_from_spec_leaves_start_up_awareness_off():
+    p = policy_from_spec(AutoscalingSpec())
+    assert (p.scale_up_lookahead_seconds, p.max_step_percent, p.prefill_utilization) == (0.0, None, 1.0)
