@@ -144,7 +144,9 @@ def main() -> None:
         kv_cache_usage=0.7, itl_seconds=0.8 * itl_slo, xfer_time_seconds=0.1 * ttft_slo, pending_sends_per_pod=4,
         tolerance=0.1, scale_up_window_seconds=0, scale_down_window_seconds=DOWN_WINDOW_S, max_step=MAX_STEP,
         stale_after_seconds=3 * INTERVAL_S, latency_quantile=0.9,
-        # predictive scale-up over the pods' start-up, sized for 80% busy prefill pods, HPA's default step (x2)
+        # predictive scale-up over the pods' start-up, sized for 80% busy prefill pods, HPA's default step (x2);
+        # in a spec: stabilization.scaleUpLookaheadSeconds, targets.prefill.utilizationPercent: 80,
+        # maxStepPercentPerInterval: 100
         scale_up_lookahead_seconds=cap.startup_s, prefill_utilization=0.8, max_step_percent=100,
     )
     print(f"capacity: {cap.source}")

@@ -93,6 +93,9 @@ def policy_from_spec(spec_autoscaling) -> AutoscalePolicy:
         stale_after_seconds=(a.stale_after_seconds if a.stale_after_seconds is not None
                              else 3 * a.interval_seconds + a.metrics_source.timeout_seconds),
         latency_quantile=a.latency_percentile / 100 if a.latency_statistic == "Percentile" else None,
+        scale_up_lookahead_seconds=a.stabilization.scale_up_lookahead_seconds,
+        max_step_percent=a.max_step_percent_per_interval,
+        prefill_utilization=t.prefill.utilization_percent / 100,
     )
 
 

@@ -186,6 +186,8 @@ class PrefillTargets(_Model):
     waiting_prompt_tokens_per_pod: int | None = Field(None, ge=1,
                                                       description="disagg:num_waiting_prompt_tokens per pod.")
     time_to_first_token_milliseconds: int | None = Field(None, ge=1)
+    utilization_percent: int = Field(100, ge=1, le=100, description="With scaleUpLookaheadSeconds: size prefill "
+                                     "for this share of each pod's measured prompt throughput (headroom).")
 
 
 class DecodeTargets(_Model):
@@ -209,6 +211,9 @@ class ScalingTargets(_Model):
 class Stabilization(_Model):
     scale_up_seconds: int = Field(0, ge=0, le=3600)
     scale_down_seconds: int = Field(300, ge=0, le=3600)
+    scale_up_lookahead_seconds: int = Field(0, ge=0, le=3600, description="The pods' start-up time. Not-ready "
+                                            "pods count as capacity on the way, and scale-up acts on demand "
+                                            "projected this far ahead; 0 reacts to current load only.")
 
 
 class ReplicaRatio(_Model):
@@ -233,6 +238,8 @@ class AutoscalingSpec(_Model):
     tolerance_percent: int = Field(10, ge=0, le=100, description="No change while |desired/current-1| is within.")
     stabilization: Stabilization = Field(default_factory=Stabilization)
     max_step_per_interval: int = Field(1, ge=1, le=100, description="Most replicas added/removed per role per step.")
+    max_step_percent_per_interval: int | None = Field(None, ge=1, le=1000, description="Scale-up may also add "
+                                                      "this percentage of the current replicas per step.")
     prefill_decode_ratio: PrefillDecodeRatio = Field(default_factory=PrefillDecodeRatio)
     latency_statistic: Literal["Percentile", "Mean"] = Field(
         "Percentile", description="How TTFT, ITL and transfer-time histograms of one interval become one number.")

@@ -278,6 +278,12 @@ def test_policy_from_spec():
     assert (tuned.latency_quantile, tuned.stale_after_seconds) == (None, 7)
     assert (tuned.waiting_prompt_tokens_per_pod, tuned.pending_sends_per_pod) == (512, 5)
     assert policy_from_spec(AutoscalingSpec.model_validate({"latencyPercentile": 99})).latency_quantile == 0.99
+    default = policy_from_spec(AutoscalingSpec())
+    assert (default.scale_up_lookahead_seconds, default.max_step_percent, default.prefill_utilization) == (0, None, 1.0)
+    aware = policy_from_spec(AutoscalingSpec.model_validate({
+        "stabilization": {"scaleUpLookaheadSeconds": 45}, "maxStepPercentPerInterval": 100,
+        "targets": {"prefill": {"utilizationPercent": 80}}}))
+    assert (aware.scale_up_lookahead_seconds, aware.max_step_percent, aware.prefill_utilization) == (45, 100, 0.8)
 
 
 # ---------------------------------------------------------------- start-up aware: starting pods, projected growth
