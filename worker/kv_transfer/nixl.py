@@ -17,7 +17,13 @@ loop calls get_finished() each step (see nixl_transport.py).
 
 extra config: side_channel_host (bind; default 127.0.0.1), side_channel_advertise_host (what
 peers dial; default the bind host), side_channel_port (0 = pick a free port), lease_seconds
-(default 30), handshake_timeout_seconds (default 5).
+(default 30), handshake_timeout_seconds (default 5), lease_margin_seconds (default 1).
+
+Leases: prefill frees unread blocks when the lease runs out and may reuse them at once, so a late
+READ would copy another request's KV without any error. kv_transfer_params therefore carry the
+lease's wall-clock end (remote_lease_expires_at); the decode side does not start a READ within
+lease_margin_seconds of it and treats the KV as lost (recompute or fail). Node clocks must agree
+to within that margin (NTP).
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ class LoadSpec:
     peer: EngineMetadata
     local_block_ids: list[int]  # same length as remote_block_ids; empty -> notify only
     remote_block_ids: list[int]
+    lease_expires_at: float | None = None  # wall clock (time.time()) when prefill may reuse the blocks
 
 
 @dataclass
@@ -103,6 +110,7 @@ class NixlConnector(KVConnectorBase):
         self.block_size = kv_cache_spec.block_size
         self.lease_seconds = float(extra.get("lease_seconds", 30))
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 5))
+        self.lease_margin = float(extra.get("lease_margin_seconds", 1))
         self.bind_host = extra.get("side_channel_host", "127.0.0.1")
         if not extra.get("side_channel_port"):
             # both roles read this dict: the first one picks the port, the worker side binds it
@@ -143,6 +151,9 @@ class NixlConnector(KVConnectorBase):
                 )
         if not 0 < params["remote_port"] < 65536:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port {params['remote_port']} is not a TCP port")
+        expires = params.get("remote_lease_expires_at")
+        if expires is not None and (not isinstance(expires, (int, float)) or isinstance(expires, bool)):
+            raise KVTransferParamsError(f"kv_transfer_params.remote_lease_expires_at must be a number, got {expires!r}")
         ids = params["remote_block_ids"]
         bad = [b for b in ids if not isinstance(b, int) or isinstance(b, bool) or b < 0]
         if bad or len(set(ids)) != len(ids):
@@ -159,6 +170,9 @@ class NixlConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or request.request_id in self._consumed or request.num_output_tokens:
+            return 0, False
+        if _lease_over(params, self.lease_margin):
+            self._remote_unusable(request, "the prefill engine's lease on this request's KV has run out")
             return 0, False
         peer = self._peer_for(request, params)
         if peer is None:
@@ -197,15 +211,15 @@ class NixlConnector(KVConnectorBase):
         try:
             peer = future.result()
         except SideChannelError as e:
-            return self._handshake_failed(request, f"handshake with the prefill engine failed: {e}")
+            return self._remote_unusable(request, f"handshake with the prefill engine failed: {e}")
         self._peers[key] = peer
         if peer.engine_id != params["remote_engine_id"]:
-            return self._handshake_failed(
+            return self._remote_unusable(
                 request, f"the engine at {key[0]}:{key[1]} is {peer.engine_id}, not {params['remote_engine_id']} "
                 "(the prefill engine restarted; its blocks are gone)")
         return peer
 
-    def _handshake_failed(self, request: "Request", message: str) -> None:
+    def _remote_unusable(self, request: "Request", message: str) -> None:
         if self.config.kv_load_failure_policy == "fail":
             raise KVTransferParamsError(f"request {request.request_id}: {message}")
         logger.warning("request %s: %s; computing the prompt locally", request.request_id, message)
@@ -226,6 +240,7 @@ class NixlConnector(KVConnectorBase):
         self._pending_loads.append(LoadSpec(
             request.request_id, params["remote_request_id"], self._peers[key],
             list(block_ids[first : first + n]), list(params["remote_block_ids"][first : first + n]),
+            params.get("remote_lease_expires_at"),
         ))
         self._loading[request.request_id] = key
 
@@ -260,6 +275,7 @@ class NixlConnector(KVConnectorBase):
             "remote_host": self.advertise_host,
             "remote_port": self.port,
             "remote_request_id": request.request_id,
+            "remote_lease_expires_at": time.time() + self.lease_seconds,
             "tp_size": 1,
         }
 
@@ -303,6 +319,8 @@ class NixlConnector(KVConnectorBase):
         from disagg.worker.kv_transfer.nixl_transport import NixlTransportError
 
         try:
+            if _lease_over({"remote_lease_expires_at": load.lease_expires_at}, self.lease_margin):
+                raise TimeoutError("the prefill engine's lease on this KV ran out before the read")
             self.transport.add_peer(load.peer)
             if not load.local_block_ids:  # every needed block was cached here: only release the sender
                 self.transport.send_notif(load.peer.engine_id, load.remote_request_id.encode())
@@ -376,3 +394,9 @@ class NixlConnector(KVConnectorBase):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _lease_over(params: dict[str, Any], margin: float) -> bool:
+    """True when the sender may already have reused the blocks (missing deadline: trust the sender)."""
+    expires = params.get("remote_lease_expires_at")
+    return isinstance(expires, (int, float)) and not isinstance(expires, bool) and time.time() > expires - margin

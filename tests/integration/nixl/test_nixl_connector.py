@@ -208,3 +208,27 @@ def test_prefill_restarted_then_next_transfer_works(tiny_model_dir, reference):
         first.close()
         decode.shutdown()
     assert decode.engine.kv_cache_manager.num_free_blocks == 96
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_no_read_after_the_senders_lease_ran_out(tiny_model_dir, reference, policy):
+    """Prefill may reuse unread blocks once the lease is over: reading them then would copy another
+    request's KV silently, so decode must not start that READ."""
+    prefill = Prefill(tiny_model_dir)
+    decode = make_decode(tiny_model_dir, policy=policy)
+    try:
+        params = prefill.send({"prompts": PROMPTS[:2]})["params"]
+        assert all(p["remote_lease_expires_at"] > time.time() + 20 for p in params)
+        params[0] = dict(params[0], remote_lease_expires_at=time.time() - 1)  # as if queued past the lease
+        outs = decode.generate(PROMPTS[:2], GREEDY, kv_transfer_params=params)
+        if policy == "recompute":
+            assert outs[0].outputs[0].token_ids == reference[0]
+        else:
+            assert outs[0].outputs[0].finish_reason == "error" and "lease" in outs[0].error
+        assert outs[1].outputs[0].token_ids == reference[1]
+        assert kv_stats(decode)["transfers"] == 1  # only the request whose lease was still running
+        assert decode.engine.kv_cache_manager.num_free_blocks == 96
+    finally:
+        prefill.close()
+        decode.shutdown()
