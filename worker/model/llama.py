@@ -53,23 +53,41 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         # Not a buffer: Module.to(dtype) would round it to bfloat16, and the loader builds the
-        # model on the meta device. Kept float32 on cpu, copied once per device.
+        # model on the meta device. Kept float32 on cpu; cos/sin tables are built per device and dtype.
         self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._inv_freq_by_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_by_device[positions.device] = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions (T,) -> cos, sin: (T, 1, head_dim / 2); both halves of a head share them."""
+        cos, sin = self._table(positions, dtype)
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+
+    def _table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions 0..n-1: (n, head_dim / 2), grown (doubling) to cover max(positions)."""
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if table is None or table[0].shape[0] < needed:
+            n = max(needed, 2 * table[0].shape[0] if table is not None else 1024)
+            inv_freq = self._inv_freq.to(positions.device)
+            # the same float32 products as computing them per step, so values are identical
+            freqs = torch.arange(n, device=positions.device).float()[:, None] * inv_freq[None, :]
+            table = self._tables[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, n_heads, head_dim); cos, sin: (T, 1, head_dim)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x: (T, n_heads, head_dim); cos, sin: (T, 1, head_dim / 2). Rotate-half form, out of place:
+    [x1 * cos - x2 * sin, x2 * cos + x1 * sin] (equal to x * cos + rotate_half(x) * sin)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
