@@ -79,7 +79,8 @@ class ModelRunner:
         # decodes (one new token) first, then prefill chunks; ties keep scheduler order
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         input_ids, positions, attn_metadata, sample_rows = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
-        ctx = ForwardContext(attn_metadata=attn_metadata, kv_cache=self.kv_cache, kv_connector=self.connector)
+        ctx = ForwardContext(attn_metadata=attn_metadata, kv_cache=self.kv_cache, kv_connector=self.connector,
+                             extra={})  # layers cache per-step index tensors here
         with kv_connector_step(self.connector, so) as kv_output:
             with set_forward_context(ctx):
                 hidden = self.model(input_ids, positions)

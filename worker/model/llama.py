@@ -7,6 +7,7 @@ Attention layers find the step's metadata and the KV cache through get_forward_c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32, scale in the model dtype (as the reference implementation does)
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # (T, 1)
+        normed = (x32 * inv_rms).to(x.dtype)  # a fresh tensor either way, so scale it in place
+        return normed.mul_(self.weight)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -90,6 +92,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+@dataclass
+class PagedIndex:
+    """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra)."""
+
+    slot_rows: torch.Tensor  # (T,) row of each new token's K in layer 0 of the cache viewed as (rows, n_kv * hd)
+    layer_rows: int  # rows between one layer's K and the next layer's K in a block (2 * block_size)
+    block_size: int  # rows between a block's K and its V
+    decode_blocks: torch.Tensor  # (B_dec * n_blocks,) block ids of the decodes, padded to the longest
+    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) bool, True where a key is in context
+
+    @staticmethod
+    def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
+        num_layers, bs = kv_cache.shape[1], md.block_size
+        block_ids = torch.div(md.slot_mapping, bs, rounding_mode="floor")  # (T,)
+        slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,)
+        B = md.num_decodes
+        n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
+        decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
+        key_pos = torch.arange(n_blocks * bs, device=slot_rows.device)  # (S,)
+        decode_mask = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+        return PagedIndex(slot_rows, 2 * bs, bs, decode_blocks, decode_mask[:, None, None, :])
+
+
+def paged_index(ctx: ForwardContext) -> PagedIndex:
+    """The step's PagedIndex, built by the first layer that asks when ctx.extra can hold it."""
+    if ctx.extra is None:
+        return PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
+    index = ctx.extra.get("paged_index")
+    if index is None:
+        index = ctx.extra["paged_index"] = PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
+    return index
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -126,17 +161,18 @@ class Attention(nn.Module):
             raise ValueError(f"{self.layer_name}: attn_metadata is set but kv_cache is None")
         if ctx.kv_connector is not None:
             ctx.kv_connector.wait_for_layer_load(self.layer_name)
-        layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
-        block_ids = torch.div(md.slot_mapping, md.block_size, rounding_mode="floor")  # (T,)
-        offsets = md.slot_mapping % md.block_size  # (T,)
-        layer_cache[block_ids, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # (T, 2, n_kv, hd)
+        index = paged_index(ctx)
+        self._write_kv(kv_cache, md, index, k, v)
         if ctx.kv_connector is not None:
             ctx.kv_connector.save_kv_layer(self.layer_name, kv_cache, md)
 
-        out = torch.empty_like(q)  # (T, n_heads, head_dim)
+        layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
         n_dec = md.num_decodes
+        if n_dec == len(md.seq_lens):
+            return self._decode_attention(index, layer_cache, q)
+        out = torch.empty_like(q)  # (T, n_heads, head_dim)
         if n_dec:
-            out[:n_dec] = self._decode_attention(md, layer_cache, q[:n_dec])
+            out[:n_dec] = self._decode_attention(index, layer_cache, q[:n_dec])
         for i in range(n_dec, len(md.seq_lens)):
             start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
             seq_len, q_len = md.seq_lens[i], end - start
@@ -148,17 +184,32 @@ class Attention(nn.Module):
             out[start:end] = self._attend(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - q_len)
         return out
 
-    def _decode_attention(self, md: AttentionMetadata, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def _write_kv(
+        self, kv_cache: torch.Tensor, md: AttentionMetadata, index: PagedIndex, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store the new tokens' K and V (T, n_kv_heads, head_dim) at their slots of this layer."""
+        T = k.shape[0]
+        if not kv_cache.is_contiguous():  # a flat row view needs a contiguous cache: index the 6-d view
+            block_ids = torch.div(md.slot_mapping, md.block_size, rounding_mode="floor")  # (T,)
+            offsets = md.slot_mapping % md.block_size  # (T,)
+            layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim)
+            layer_cache[block_ids, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # (T, 2, n_kv, hd)
+            return
+        rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
+        k_rows = index.slot_rows + self.layer_idx * index.layer_rows  # (T,)
+        # index_copy_ of whole rows: much cheaper than advanced-index assignment into the 6-d cache
+        rows.index_copy_(0, k_rows, k.reshape(T, -1).to(kv_cache.dtype))
+        rows.index_copy_(0, k_rows + index.block_size, v.reshape(T, -1).to(kv_cache.dtype))
+
+    def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
         B = q.shape[0]
-        k, v = self._gather(layer_cache, md.block_tables[:B], md.block_size, max(md.seq_lens[:B]))
-        S = k.shape[1]
-        mask = torch.arange(S, device=q.device)[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+        k, v = self._gather_blocks(layer_cache, index.decode_blocks, B)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :],  # (B, n_heads, 1, head_dim)
             k.transpose(1, 2).to(q.dtype),  # (B, n_kv_heads, S, head_dim)
             v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :],  # (B, 1, 1, S)
+            attn_mask=index.decode_mask,  # (B, 1, 1, S)
             scale=self.scale,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
@@ -170,11 +221,15 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks: each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
         B, n_blocks = block_tables.shape[0], -(-max_len // block_size)
-        ids = block_tables[:, :n_blocks].reshape(-1)  # (B * n_blocks,)
+        return Attention._gather_blocks(layer_cache, block_tables[:, :n_blocks].reshape(-1), B)
+
+    @staticmethod
+    def _gather_blocks(layer_cache: torch.Tensor, ids: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: (B * n_blocks,) -> K and V, each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
         # index_select on dim 0 is a plain block copy, much faster than advanced indexing of the view
         k = layer_cache[:, 0].index_select(0, ids)  # (B * n_blocks, block_size, n_kv_heads, head_dim)
         v = layer_cache[:, 1].index_select(0, ids)
-        return k.view(B, n_blocks * block_size, *k.shape[-2:]), v.view(B, n_blocks * block_size, *v.shape[-2:])
+        return k.view(B, -1, *k.shape[-2:]), v.view(B, -1, *v.shape[-2:])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
         """One sequence. q: (L, n_heads, hd); k, v: (S, n_kv, hd), S = L + causal_offset."""
@@ -204,7 +259,9 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(h, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # in place on the fresh projection outputs: no (T, intermediate) temporaries
+        hidden = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))  # (T, intermediate)
+        return self.down_proj(hidden)
 
 
 class TransformerBlock(nn.Module):
@@ -216,8 +273,9 @@ class TransformerBlock(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x: (T, hidden), the residual stream, updated in place and returned (LlamaModel owns it)."""
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
