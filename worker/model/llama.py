@@ -17,6 +17,35 @@ from disagg.worker.forward_context import AttentionMetadata, ForwardContext, get
 from disagg.worker.model.config import ModelConfig, RopeScaling
 
 
+def _onednn_linear_op():
+    """torch's oneDNN linear kernel (the one torch.compile uses on CPU), or None if this build lacks it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) that runs float32 CPU inference through oneDNN.
+
+    On the CPUs measured (AMD EPYC) oneDNN's float32 GEMM ran 1.3-1.6x faster than the default
+    MKL sgemm behind F.linear, at 32 rows (decode) and at thousands (prefill); it reads the plain
+    weight, so no second (packed) copy is kept. Results differ from F.linear only in rounding."""
+
+    _onednn = _onednn_linear_op()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (
+            self._onednn is None
+            or torch.is_grad_enabled()  # the oneDNN op has no autograd formula
+            or x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
+        ):
+            return F.linear(x, w, self.bias)
+        return self._onednn(x, w, self.bias, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -135,10 +164,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -256,9 +285,9 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=bias)
-        self.up_proj = nn.Linear(d, h, bias=bias)
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        self.gate_proj = Linear(d, h, bias=bias)
+        self.up_proj = Linear(d, h, bias=bias)
+        self.down_proj = Linear(h, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # in place on the fresh projection outputs: no (T, intermediate) temporaries
@@ -301,7 +330,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
