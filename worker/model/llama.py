@@ -125,23 +125,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class PagedIndex:
     """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra)."""
 
-    slot_rows: torch.Tensor  # (T,) row of each new token's K in layer 0 of the cache viewed as (rows, n_kv * hd)
-    layer_rows: int  # rows between one layer's K and the next layer's K in a block (2 * block_size)
-    block_size: int  # rows between a block's K and its V
+    kv_rows: torch.Tensor  # (layers, 2, T) row of each new token's K and V in the cache viewed as (rows, n_kv * hd)
     decode_blocks: torch.Tensor  # (B_dec * n_blocks,) block ids of the decodes, padded to the longest
-    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) bool, True where a key is in context
+    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it
 
     @staticmethod
     def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
         num_layers, bs = kv_cache.shape[1], md.block_size
+        dev = md.slot_mapping.device
         block_ids = torch.div(md.slot_mapping, bs, rounding_mode="floor")  # (T,)
-        slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,)
+        # cache (num_blocks, layers, 2, block_size, ...): row = ((block * layers + layer) * 2 + kv) * bs + offset
+        slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,) layer 0, K
+        layer_kv = torch.arange(num_layers * 2, device=dev).view(num_layers, 2, 1) * bs  # (layers, 2, 1)
         B = md.num_decodes
         n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
         decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
-        key_pos = torch.arange(n_blocks * bs, device=slot_rows.device)  # (S,)
-        decode_mask = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
-        return PagedIndex(slot_rows, 2 * bs, bs, decode_blocks, decode_mask[:, None, None, :])
+        key_pos = torch.arange(n_blocks * bs, device=dev)  # (S,)
+        in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+        # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
+        mask = torch.zeros(in_context.shape, dtype=kv_cache.dtype, device=dev).masked_fill_(~in_context, -math.inf)
+        return PagedIndex(slot_rows + layer_kv, decode_blocks, mask[:, None, None, :])
 
 
 def paged_index(ctx: ForwardContext) -> PagedIndex:
@@ -225,10 +228,10 @@ class Attention(nn.Module):
             layer_cache[block_ids, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # (T, 2, n_kv, hd)
             return
         rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
-        k_rows = index.slot_rows + self.layer_idx * index.layer_rows  # (T,)
+        k_rows, v_rows = index.kv_rows[self.layer_idx]  # (T,) each
         # index_copy_ of whole rows: much cheaper than advanced-index assignment into the 6-d cache
         rows.index_copy_(0, k_rows, k.reshape(T, -1).to(kv_cache.dtype))
-        rows.index_copy_(0, k_rows + index.block_size, v.reshape(T, -1).to(kv_cache.dtype))
+        rows.index_copy_(0, v_rows, v.reshape(T, -1).to(kv_cache.dtype))
 
     def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
@@ -241,7 +244,7 @@ class Attention(nn.Module):
             q.view(B, self.n_kv_heads, group, self.head_dim),  # (B, n_kv_heads, group, head_dim)
             k.transpose(1, 2).to(q.dtype),  # (B, n_kv_heads, S, head_dim)
             v.transpose(1, 2).to(q.dtype),
-            attn_mask=index.decode_mask,  # (B, 1, 1, S)
+            attn_mask=index.decode_mask.to(q.dtype),  # (B, 1, 1, S)
             scale=self.scale,
         )
         return out.reshape(B, self.n_heads, self.head_dim)
