@@ -7,6 +7,7 @@ from typing import Any
 
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.scheduler import EngineCoreOutput
+from disagg.worker.model.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -42,10 +43,11 @@ class RequestOutput:
 
 
 class _RequestState:
-    def __init__(self, req: Request, prompt: str | None):
+    def __init__(self, req: Request, prompt: str | None, tokenizer: Any):
         self.req = req
         self.prompt = prompt
         self.token_ids: list[int] = []
+        self.detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)  # O(1) work per token
         self.text = ""  # text released to the client
         self.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.finished = False
@@ -57,7 +59,7 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
 
     def add_request(self, req: Request, prompt: str | None) -> None:
-        self._states[req.request_id] = _RequestState(req, prompt)
+        self._states[req.request_id] = _RequestState(req, prompt, self.tokenizer)
 
     def process(self, out: EngineCoreOutput) -> RequestOutput | None:
         state = self._states.get(out.req_id)
@@ -70,7 +72,11 @@ class OutputProcessor:
             state.metrics.last_token_time = now
         state.token_ids.extend(out.new_token_ids)
         sp = state.req.sampling_params
-        full = self.tokenizer.decode(state.token_ids)
+        for token_id in out.new_token_ids:
+            state.detokenizer.add(token_id)
+        if out.finish_reason is not None:
+            state.detokenizer.finish()  # release a held-back partial character
+        full = state.detokenizer.text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         text = full
         for stop in sp.stop:
@@ -80,8 +86,7 @@ class OutputProcessor:
                 break
         finished = finish_reason is not None
         if not finished:
-            # hold back a partial multi-byte character and what could be the start of a stop string
-            text = text.rstrip("\ufffd")
+            # hold back what could be the start of a stop string (the detokenizer holds partial characters)
             hold = max((len(s) - 1 for s in sp.stop), default=0)
             if hold:
                 text = text[: max(len(state.text), len(text) - hold)]

@@ -18,10 +18,20 @@ from disagg.worker.model.config import ModelConfig, RopeScaling
 
 
 def _onednn_linear_op():
-    """torch's oneDNN linear kernel (the one torch.compile uses on CPU), or None if this build lacks it."""
+    """torch's oneDNN linear kernel (the one torch.compile uses on CPU), or None if this build lacks it
+    or it does not behave as expected (a private op: checked once on a tiny input, never trusted blindly)."""
     if not torch.backends.mkldnn.is_available():
         return None
-    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return None
+    try:
+        x, w, b = torch.arange(8.0).view(2, 4), torch.ones(3, 4), torch.tensor([1.0, 2.0, 3.0])
+        if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)):
+            return op
+    except Exception:  # noqa: BLE001 - another torch version: use F.linear
+        pass
+    return None
 
 
 class Linear(nn.Linear):
