@@ -232,3 +232,26 @@ def test_no_read_after_the_senders_lease_ran_out(tiny_model_dir, reference, poli
     finally:
         prefill.close()
         decode.shutdown()
+
+
+@pytest.mark.slow
+def test_full_prefix_hit_reads_nothing_and_still_releases_the_sender(tiny_model_dir):
+    """Every block decode needs is already in its prefix cache: no READ, only the notification
+    that lets prefill free its copy (no lease expiry)."""
+    from disagg.worker.model import Tokenizer
+
+    ids = Tokenizer(tiny_model_dir).encode(PROMPTS[0] + " " + PROMPTS[1])[:33]  # 2 full blocks + 1 token
+    assert len(ids) == 33
+    prefill = Prefill(tiny_model_dir)
+    decode = make_decode(tiny_model_dir)
+    try:
+        local = decode.generate([ids], GREEDY)[0].outputs[0].token_ids  # caches blocks 0 and 1
+        params = prefill.send({"prompts": [ids]})["params"]
+        out = decode.generate([ids], GREEDY, kv_transfer_params=params)[0]
+        assert out.outputs[0].token_ids == local
+        assert kv_stats(decode)["transfers"] == 0
+        after = prefill.send({"cmd": "wait"})
+        assert after["free"] == after["num_blocks"] and after["expired"] == 0  # freed by the notification
+    finally:
+        prefill.close()
+        decode.shutdown()
