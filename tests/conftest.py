@@ -1,4 +1,10 @@
+import sys
+from pathlib import Path
+
 import pytest
+
+# test-support modules shared across tiers (helm_cli, k8s_patch) live in tests/ itself
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")

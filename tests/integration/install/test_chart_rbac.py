@@ -33,9 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "disagg-operator"
 OPERATOR_TESTS = ROOT / "tests" / "integration" / "operator"
-for path in (ROOT / "tests", OPERATOR_TESTS):  # helm_cli; the operator tests' emulator
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(OPERATOR_TESTS) not in sys.path:  # the operator tests' emulator (tests/ itself: tests/conftest.py)
+    sys.path.insert(0, str(OPERATOR_TESTS))
 
 from emulator import EmulatorThread, Kind, RecordedRequest  # noqa: E402
 from fake_worker import FakeWorker  # noqa: E402

@@ -28,6 +28,7 @@ import attrs
 import httpx
 import kmock
 import yaml
+from k8s_patch import apply_merge_patch
 
 ResKey = tuple[str, str, str]  # (group, version, plural)
 ObjKey = tuple[str, str, str, str | None, str]  # (group, version, plural, namespace, name)
@@ -69,19 +70,6 @@ BUILTIN_KINDS: dict[ResKey, Kind] = {
     ("rbac.authorization.k8s.io", "v1", "roles"): Kind("Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): Kind("RoleBinding"),
 }
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
 
 
 class PatchTestFailed(Exception):
@@ -347,7 +335,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     if want_rv and want_rv != old["metadata"]["resourceVersion"]:
                         raise ApiStatus(409, "Conflict", "the object has been modified; please apply your "
                                                          "changes to the latest version and try again")
-                    new = merge_patch(old, body)
+                    new = apply_merge_patch(old, body)
             except PatchTestFailed as e:
                 raise ApiStatus(422, "Invalid", str(e)) from e
             except (KeyError, IndexError, TypeError, ValueError) as e:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,9 @@ import pytest
 import yaml
 from openapi_schema_validator import OAS30Validator
 
+from helm_cli import run_helm, template  # tests/ is on sys.path (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
-from helm_cli import run_helm, template  # noqa: E402
 
 from disagg.operator import cli as operator_cli  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402

@@ -8,24 +8,14 @@ from typing import Any
 
 import yaml
 
+from k8s_patch import apply_merge_patch
+
 from disagg.operator import reconcile as r
 from disagg.operator import spec as s
 from disagg.operator.kube import PLURALS
 
 ROOT = Path(__file__).resolve().parents[3]
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-
-def merge(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge(out.get(k), v)
-    return out
 
 
 class FakeCluster:
@@ -44,21 +34,21 @@ class FakeCluster:
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         assert key not in self.objects
         self.writes.append(("create", f"{key[0]}/{key[2]}", obj))
-        self.objects[key] = merge(obj, {"metadata": {"generation": 1}})
+        self.objects[key] = apply_merge_patch(obj, {"metadata": {"generation": 1}})
         return copy.deepcopy(self.objects[key])
 
     def patch(self, api_version, kind, namespace, name, patch, subresource=None):
         key = (kind, namespace, name)
         self.writes.append(("patch" + (f"/{subresource}" if subresource else ""), f"{kind}/{name}", patch))
         old = self.objects[key]
-        new = merge(old, patch)
+        new = apply_merge_patch(old, patch)
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         self.objects[key] = new
         return copy.deepcopy(new)
 
     def add_resource(self, doc: dict[str, Any]) -> dict[str, Any]:
-        body = merge(doc, {"metadata": {"namespace": "ns", "uid": "uid-1", "generation": 1}})
+        body = apply_merge_patch(doc, {"metadata": {"namespace": "ns", "uid": "uid-1", "generation": 1}})
         self.objects[(s.KIND, "ns", body["metadata"]["name"])] = body
         return body
 
@@ -127,7 +117,7 @@ def test_spec_change_patches_only_what_changed_and_drops_removed_keys():
     cluster.writes.clear()
     changed = cluster.resource()
     del changed["spec"]["decode"]["nodeSelector"]
-    cluster.objects[(s.KIND, "ns", "llama3-8b")] = merge(changed, {"metadata": {"generation": 2}})
+    cluster.objects[(s.KIND, "ns", "llama3-8b")] = apply_merge_patch(changed, {"metadata": {"generation": 2}})
     result = run_pass(cluster)
     assert result.children_written == ["Deployment/llama3-8b-decode"]
     patch = next(body for verb, what, body in cluster.writes if what == "Deployment/llama3-8b-decode")
