@@ -105,6 +105,14 @@ def _serve(handler_cls):
     return server
 
 
+def _reply(handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @pytest.fixture
 def metrics_server():
     class Handler(BaseHTTPRequestHandler):
@@ -115,12 +123,7 @@ def metrics_server():
             if self.path != "/metrics":
                 self.send_error(404)
                 return
-            body = EXPOSITION.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _reply(self, 200, EXPOSITION.encode(), "text/plain; version=0.0.4")
 
         def log_message(self, *_):
             pass
@@ -201,11 +204,7 @@ def prometheus_server():
                 body, status = b'{"status":"error","errorType":"bad_data","error":"parse error"}', 400
             else:
                 body, status = json.dumps(STAMPS if query.startswith("timestamp(") else SERIES).encode(), 200
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _reply(self, status, body, "application/json")
 
         def log_message(self, *_):
             pass
