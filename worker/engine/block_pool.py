@@ -104,8 +104,3 @@ class BlockPool:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
             del self._cached[block.block_hash]
         block.block_hash = None
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached.values()):
-            self.blocks[block_id].block_hash = None
-        self._cached.clear()

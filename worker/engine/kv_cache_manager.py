@@ -82,11 +82,6 @@ class KVCacheManager:
         for block_id in block_ids:
             self.pool.uncache_block(block_id)
 
-    def truncate_cached_count(self, req_id: str, num_blocks: int) -> None:
-        """After a failed load: blocks from `num_blocks` on are not (validly) cached for this request."""
-        if self._num_cached_blocks.get(req_id, 0) > num_blocks:
-            self._num_cached_blocks[req_id] = num_blocks
-
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first go to the free list first (they are the
         least likely to be shared by a later prefix)."""
