@@ -66,6 +66,15 @@ def cond_is(api: EmulatorThread, ctype: str, status: str, reason: str | None = N
     return probe
 
 
+def create_ready(api: EmulatorThread, doc: dict[str, Any]) -> None:
+    """Create the resource, let the controllers report every pool's pods running, wait for Ready."""
+    create(api, doc)
+    wait_for(lambda: children_created(api), what="all children")
+    for role in ROLES:
+        play_controller(api, role)
+    wait_for(cond_is(api, "Ready", "True"), what="Ready")
+
+
 def play_controller(api: EmulatorThread, role: str, ready: int | None = None) -> None:
     """What the Deployment controller would report once the current template's pods run."""
     dep = deployment(api, role)
@@ -151,11 +160,8 @@ def test_kubectl_apply_drives_the_operator(cluster, operator):
 
 
 def test_status_follows_child_readiness(cluster, operator, example):
-    create(cluster, example)
-    wait_for(lambda: children_created(cluster), what="all children")
-    for role in ROLES:
-        play_controller(cluster, role)
-    wait_for(cond_is(cluster, "Ready", "True", "ReplicasReady"), what="Ready=True")
+    create_ready(cluster, example)
+    assert condition(cr(cluster), "Ready")["reason"] == "ReplicasReady"
     obj = cr(cluster)
     assert condition(obj, "Progressing")["reason"] == "RolloutComplete"
     assert condition(obj, "Degraded")["status"] == "False"
@@ -168,11 +174,7 @@ def test_status_follows_child_readiness(cluster, operator, example):
 
 
 def test_spec_update_rolls_both_pools_and_stays_progressing_until_both_run_it(cluster, operator, example):
-    create(cluster, example)
-    wait_for(lambda: children_created(cluster), what="all children")
-    for role in ROLES:
-        play_controller(cluster, role)
-    wait_for(cond_is(cluster, "Ready", "True"), what="Ready")
+    create_ready(cluster, example)
     before = {r: copy.deepcopy(deployment(cluster, r)) for r in ROLES}
     old_revision = cr(cluster)["status"]["revision"]
 
@@ -205,11 +207,7 @@ def test_spec_update_rolls_both_pools_and_stays_progressing_until_both_run_it(cl
 
 
 def test_no_op_pass_makes_no_write_requests(cluster, operator, example):
-    create(cluster, example)
-    wait_for(lambda: children_created(cluster), what="all children")
-    for role in ROLES:
-        play_controller(cluster, role)
-    wait_for(cond_is(cluster, "Ready", "True"), what="Ready")
+    create_ready(cluster, example)
     settle(cluster)
     start_req, start_pass = len(cluster.emulator.requests), passes_seen(cluster)
     wait_for(lambda: passes_seen(cluster) >= start_pass + 3, 5, "three more passes")
