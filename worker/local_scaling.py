@@ -214,10 +214,16 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+# measured on another role but a signal of this one: KV waiting at prefill to be pulled means decode is short
+CROSS_ROLE_SIGNALS = {"decode": ("prefill_pending_sends_per_pod",)}
+
+
 def role_metrics(decision: Decision, role: str) -> dict[str, float]:
-    """The decision's numbers about this role (and transfers), without the ones nobody measured."""
+    """The decision's numbers behind this role's change (its own, transfers and cross-role signals), without the
+    ones nobody measured."""
+    extra = CROSS_ROLE_SIGNALS.get(role, ())
     return {k: round(v, 4) for k, v in decision.metrics.items()
-            if v is not None and (k.startswith(f"{role}_") or k.startswith("xfer_"))}
+            if v is not None and (k.startswith(f"{role}_") or k.startswith("xfer_") or k in extra)}
 
 
 def scaling_line(event: dict[str, Any]) -> str:

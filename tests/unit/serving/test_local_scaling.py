@@ -214,6 +214,22 @@ def test_tick_adds_a_decode_worker_under_load_and_retires_the_least_loaded_after
     assert workers.calls == [("retire", "decode", 1, {"prefill-0": 0.0, "decode-0": 0.0, "decode-1": 0.0})]
 
 
+def test_a_decode_scale_up_from_kv_waiting_at_prefill_reports_that_signal():
+    now = [1000.0]
+    workers = FakeWorkers({"prefill": 1, "decode": 1})
+
+    def scrape(procs):  # decode's cache is nearly empty, but 6 prompts' KV waits at prefill to be pulled
+        return [ms.PodSample(p.spec.name, p.spec.role, now[0],
+                             {ms.KV_CACHE_USAGE: 0.05, ms.NUM_REQUESTS_WAITING: 0, ms.NUM_REQUESTS_RUNNING: 1,
+                              ms.PENDING_SENDS: 6 if p.spec.role == "prefill" else 0}) for p in procs]
+    scaler, said = autoscaler(workers, scrape, now)
+    assert scaler.tick().desired["decode"] == 2 and workers.calls == [("add", "decode")]
+    event = scaler.events[-1]
+    assert event["reason"] == "DecodeBound" and event["metrics"]["prefill_pending_sends_per_pod"] == 6
+    assert "prefill_waiting_requests_per_pod" not in event["metrics"], "prefill's own numbers stay on its events"
+    assert "prefill_pending_sends_per_pod=6" in said[-1]
+
+
 def test_dry_run_reports_the_decision_and_changes_nothing():
     now = [1000.0]
     workers = FakeWorkers({"prefill": 1, "decode": 1})
