@@ -9,7 +9,8 @@ Flow (vLLM's NIXL protocol, one prefill and one decode hop per request):
            asynchronously (after a side-channel handshake, validated before any allocation);
            the worker side READs the remote blocks into the freshly allocated local ones
            (contiguous runs coalesced), completion surfaces as finished_recving, and the READ's
-           notification tells prefill to free. Failures surface as invalid_block_ids.
+           notification tells prefill to free (on a full local prefix hit the notification
+           alone, sent and tracked the same way). Failures surface as invalid_block_ids.
 
 Scheduler-side network I/O (the handshake) runs in a background thread; the scheduler is asked
 again next step until it is done. NIXL's progress thread is off: progress happens when the engine
@@ -322,12 +323,12 @@ class NixlConnector(KVConnectorBase):
             if _lease_over({"remote_lease_expires_at": load.lease_expires_at}, self.lease_margin):
                 raise TimeoutError("the prefill engine's lease on this KV ran out before the read")
             self.transport.add_peer(load.peer)
-            if not load.local_block_ids:  # every needed block was cached here: only release the sender
-                self.transport.send_notif(load.peer.engine_id, load.remote_request_id.encode())
-                self._done_recving.add(load.req_id)
-                return
-            handle = self.transport.start_read(load.peer.engine_id, load.local_block_ids, load.remote_block_ids,
-                                               load.remote_request_id.encode())
+            msg = load.remote_request_id.encode()
+            if load.local_block_ids:
+                handle = self.transport.start_read(load.peer.engine_id, load.local_block_ids,
+                                                   load.remote_block_ids, msg)
+            else:  # every needed block was cached here: only release the sender, tracked like a read so
+                handle = self.transport.notify(load.peer.engine_id, msg)  # the engine steps until it is out
             self._reads[load.req_id] = (handle, load)
         except (NixlTransportError, Exception) as e:  # noqa: BLE001 - any failure invalidates these blocks
             logger.warning("request %s: reading KV from %s failed: %s", load.req_id, load.peer.engine_id, e)

@@ -8,6 +8,7 @@ The connector (nixl.py) decides *which* blocks move and *when*; this module only
                                              r.add_peer(md)
                                              h = r.start_read(eid, local_ids, remote_ids, b"req-1")
     t.get_new_notifs() -> [(agent, b"req-1")]   r.poll(h) -> "PROC" ... "DONE" | raises TransferFailed
+                                             h = r.notify(eid, b"req-2")  (no KV moves; poll(h) the same way)
 
 The agent runs without NIXL's progress thread (it burns a core even when idle): progress happens
 only inside our calls, so the owner must call get_new_notifs() and the reader poll() regularly.
@@ -31,6 +32,7 @@ from disagg.worker.kv_transfer.side_channel import KV_LAYOUT, EngineMetadata, co
 logger = logging.getLogger(__name__)
 
 _LOCAL_SIDE = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for "my own registered memory"
+_SCRATCH_BYTES = 64  # registered beside the KV tensor: the destination of notify()'s one-byte read
 
 
 class NixlTransportError(Exception):
@@ -137,6 +139,7 @@ class ReadHandle:
     num_descriptors: int  # coalesced runs
     nbytes: int
     state: str = "PROC"  # PROC | DONE | FAILED
+    control: bool = False  # notify(): carries a message, moves no KV (not counted as a transfer)
     error: TransferFailed | None = None
     post_time_s: float = 0.0
     _t_post: float = 0.0  # perf_counter at post
@@ -159,6 +162,7 @@ class NixlTransport:
         config = nixl_agent_config(enable_prog_thread=False, backends=list(backends), num_threads=num_threads)
         self._agent: Any = nixl_agent(self.agent_name, config)
         self._reg_descs: Any = None
+        self._scratch: Any = None  # torch tensor beside the KV tensor, same device
         self._metadata: EngineMetadata | None = None
         self._peers: dict[str, _Peer] = {}  # engine_id -> peer
         self._inflight: set[ReadHandle] = set()
@@ -171,8 +175,12 @@ class NixlTransport:
         """Register the whole KV tensor once (idempotent)."""
         if self._reg_descs is not None:
             return
-        region = [(self.kv_cache.data_ptr(), self._nbytes(), self.device_id, "")]
-        self._reg_descs = self._agent.register_memory(region, self.device_kind)
+        import torch
+
+        self._scratch = torch.zeros(_SCRATCH_BYTES, dtype=torch.uint8, device=self.kv_cache.device)
+        regions = [(self.kv_cache.data_ptr(), self._nbytes(), self.device_id, ""),
+                   (self._scratch.data_ptr(), _SCRATCH_BYTES, self.device_id, "")]
+        self._reg_descs = self._agent.register_memory(regions, self.device_kind)
         fields = compat_fields(self.spec.model_name, self.spec.dtype, self.spec.num_layers,
                                self.spec.num_kv_heads, self.spec.head_dim, self.spec.block_size, KV_LAYOUT)
         self._metadata = EngineMetadata(
@@ -241,7 +249,7 @@ class NixlTransport:
         Raises InvalidBlockIds / UnknownPeer before anything is posted, TransferFailed after."""
         peer = self._peer(peer_engine_id)
         if not local_block_ids:
-            raise InvalidBlockIds("no blocks to read (use send_notif to only notify the peer)")
+            raise InvalidBlockIds("no blocks to read (use notify() to only send the peer a message)")
         check_block_ids(local_block_ids, self.spec.num_blocks, f"local (engine {self.engine_id})")
         self.validate_remote_blocks(peer_engine_id, remote_block_ids)
         runs = coalesce(local_block_ids, remote_block_ids)
@@ -250,14 +258,34 @@ class NixlTransport:
         remote_descs = [(rmd.kv_base_addr + ro * bpb, n * bpb, rmd.device_id) for _, ro, n in runs]
         handle = ReadHandle(peer_engine_id, list(local_block_ids), list(remote_block_ids), notif_msg,
                             num_descriptors=len(runs), nbytes=len(local_block_ids) * bpb)
+        return self._post(handle, peer, local_descs, remote_descs)
+
+    def notify(self, peer_engine_id: str, msg: bytes) -> ReadHandle:
+        """Send a peer a message without moving KV (e.g. every block was already cached here); poll() the
+        handle like a read: DONE once the message has gone out.
+
+        nixl's send_notif() is fire-and-forget: when it cannot go out at once (a fresh connection still
+        wiring up) it only leaves while this agent makes progress, which stops when the engine goes idle -
+        the peer would then hold its blocks until the lease runs out. So the message rides, as a READ's
+        notification, on a one-byte read of the peer's registered region into a local scratch byte."""
+        if not msg:
+            raise ValueError("notify() needs a message")
+        peer = self._peer(peer_engine_id)
+        rmd = peer.metadata
+        handle = ReadHandle(peer_engine_id, [], [], msg, num_descriptors=1, nbytes=1, control=True)
+        return self._post(handle, peer, [(self._scratch.data_ptr(), 1, self.device_id)],
+                          [(rmd.kv_base_addr, 1, rmd.device_id)])
+
+    def _post(self, handle: ReadHandle, peer: _Peer, local_descs: list, remote_descs: list) -> ReadHandle:
+        rmd = peer.metadata
         t0 = time.perf_counter()
         try:
             local = self._agent.prep_xfer_dlist(_LOCAL_SIDE, local_descs, self.device_kind)
             handle._nixl.append(local)
             remote = self._agent.prep_xfer_dlist(peer.agent_name, remote_descs, rmd.device_kind)
             handle._nixl.append(remote)
-            indices = list(range(len(runs)))
-            xfer = self._agent.make_prepped_xfer("READ", local, indices, remote, indices, notif_msg)
+            indices = list(range(len(local_descs)))
+            xfer = self._agent.make_prepped_xfer("READ", local, indices, remote, indices, handle.notif_msg)
             handle._nixl.insert(0, xfer)  # released first: a dlist must outlive the xfer made from it
             self._inflight.add(handle)
             handle._t_post = time.perf_counter()
@@ -285,10 +313,6 @@ class NixlTransport:
         """Abandon a read (e.g. the request was aborted); its local blocks must be treated as invalid."""
         if handle.state == "PROC":
             self._fail(handle, None, "released before it finished", count=False)
-
-    def send_notif(self, peer_engine_id: str, msg: bytes) -> None:
-        """Notify a peer without reading (e.g. every block was already cached locally)."""
-        self._agent.send_notif(self._peer(peer_engine_id).agent_name, msg)
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; also drives progress."""
@@ -339,15 +363,16 @@ class NixlTransport:
             xfer_time = time.perf_counter() - handle._t_post
             handle.state = "DONE"
             self._release_handles(handle)
-            self._stats.record_done(xfer_time, handle.post_time_s, handle.nbytes, handle.num_descriptors)
+            if not handle.control:
+                self._stats.record_done(xfer_time, handle.post_time_s, handle.nbytes, handle.num_descriptors)
         elif state != "PROC":  # "ERR": documented, never seen in 1.5.1
             raise self._fail(handle, None, f"nixl reported state {state!r}")
 
     def _fail(self, handle: ReadHandle, cause: BaseException | None, what: str, count: bool = True) -> TransferFailed:
         handle.state = "FAILED"
+        op = "notification to" if handle.control else f"READ of {len(handle.local_block_ids)} blocks from"
         handle.error = TransferFailed(
-            f"engine {self.engine_id}: READ of {len(handle.local_block_ids)} blocks from peer "
-            f"{handle.peer_engine_id} (notif {handle.notif_msg[:64]!r}): {what}"
+            f"engine {self.engine_id}: {op} peer {handle.peer_engine_id} (notif {handle.notif_msg[:64]!r}): {what}"
             + (f": {type(cause).__name__}: {cause}" if cause else ""),
             peer_engine_id=handle.peer_engine_id, local_block_ids=handle.local_block_ids,
             remote_block_ids=handle.remote_block_ids, notif_msg=handle.notif_msg, cause=cause,

@@ -102,6 +102,29 @@ def test_read_scattered_blocks_and_notify(owners, reader):
     assert owner.wait_notifs(2)[1] == (b.agent_name, b"req-2")
 
 
+def test_notify_reaches_a_fresh_peer_without_moving_kv(owners, reader):
+    """A full local prefix hit only has to release the sender: the message must arrive even though the
+    reader makes no progress once its handle is DONE (an idle decode engine), and it moves no KV."""
+    owner, ready = owners("A-notify", "--seed", "3")
+    b, kv = reader()
+    b.add_peer(fetch_engine_metadata(HOST, ready["port"], timeout=5.0))  # a fresh connection, not wired up yet
+    wait_done(b, b.notify("A-notify", b"req-9:cached"))
+    assert owner.wait_notifs(1) == [(b.agent_name, b"req-9:cached")]
+    assert not kv.any(), "a notification wrote KV"
+    stats = b.drain_stats()
+    assert stats["bytes"] == [] and stats["num_failed_transfers"] == 0, "a notification is not a KV transfer"
+    assert b.num_inflight == 0
+    with pytest.raises(UnknownPeer, match="'A-other' not added"):
+        b.notify("A-other", b"x")
+
+    owner.kill()  # a dead peer: the notification fails like a read does, naming what it was
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="notification to peer A-notify .*req-10"):
+        while time.monotonic() - t0 < READ_TIMEOUT_S:
+            wait_done(b, b.notify("A-notify", b"req-10"))
+    assert not b.has_peer("A-notify") and b.num_inflight == 0
+
+
 def test_incompatible_peer_is_refused_without_transfer(owners, reader):
     owner, ready = owners("A-bf16", "--dtype", "bfloat16")
     b, kv = reader()  # float16
