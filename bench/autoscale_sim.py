@@ -28,7 +28,8 @@ from autoscale_sim_capacity import GPU_H100_LLAMA8B, PodCapacity, measure_capaci
 from autoscale_sim_model import Simulation
 from autoscale_sim_trace import CHAT, GENERATE, RAG, TraceRequest, make_trace
 
-from disagg.operator.autoscale import AutoscalePolicy, RoleBounds, ScalingHistory, decide
+from disagg.operator.autoscale import ScalingHistory, decide
+from disagg.operator.autoscale_inputs import AutoscalePolicy, RoleBounds
 
 INTERVAL_S = 15.0
 DOWN_WINDOW_S = 180.0

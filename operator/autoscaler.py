@@ -32,7 +32,9 @@ from disagg.operator import manifests as m
 from disagg.operator import metrics_source as ms
 from disagg.operator import reconcile as r
 from disagg.operator import spec as s
+from disagg.operator.autoscale_inputs import ROLES, policy_from_spec
 from disagg.operator.kube import ApiError, TransientApiError
+
 
 log = logging.getLogger(__name__)
 
@@ -229,20 +231,20 @@ def autoscale(body: dict[str, Any], cluster: Cluster, history: a.ScalingHistory,
     meta = body["metadata"]
     owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     deployments = {role: cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, role))
-                   for role in a.ROLES}
+                   for role in ROLES}
     if any(d is None for d in deployments.values()):
         return None
     # what the reconcile pass applies (the Deployments' replicas, unless someone edited them by hand: that edit is
     # reverted, not taken as the pool's size)
     current = {role: n for role, (n, _) in r.worker_replicas(spec, body.get("status") or {}).items()}
     pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, m.label_selector(owner, role))
-            for role in a.ROLES}
-    targets = [t for role in a.ROLES for t in scrape_targets(pods[role], role)]
+            for role in ROLES}
+    targets = [t for role in ROLES for t in scrape_targets(pods[role], role)]
     source = spec.autoscaling.metrics_source
     samples = (from_prometheus(targets, source, clock) if source.type == "prometheus"
                else scrape(targets, source.timeout_seconds, clock))
-    by_role = {role: [smp for smp in samples if smp.role == role] for role in a.ROLES}
-    decision = a.decide(by_role, current, a.policy_from_spec(spec.autoscaling), history, clock())
+    by_role = {role: [smp for smp in samples if smp.role == role] for role in ROLES}
+    decision = a.decide(by_role, current, policy_from_spec(spec.autoscaling), history, clock())
     dry_run = spec.autoscaling.dry_run
     old = body.get("status") or {}
     scaled, changes = scaling_status(decision, old.get("autoscaling") or {}, dry_run, now)

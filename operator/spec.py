@@ -163,7 +163,7 @@ class RouterSpec(PodPlacement):
     extra_args: list[str] = Field(default_factory=list)
 
 
-# ---------------------------------------------------------------- autoscaling (policy lives in autoscale.py)
+# ---------------------------------------------------------------- autoscaling (policy lives in autoscale*.py)
 class ReplicaBounds(_Model):
     min_replicas: int = Field(1, ge=0, le=1000)
     max_replicas: int = Field(4, ge=1, le=1000)

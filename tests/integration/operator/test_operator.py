@@ -10,7 +10,6 @@ import subprocess
 from typing import Any
 
 import pytest
-import yaml
 
 from conftest import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, quiesce, wait_for
 from emulator import EmulatorThread

@@ -8,8 +8,10 @@ from dataclasses import replace
 import pytest
 
 from disagg.operator import metrics_source as m
-from disagg.operator.autoscale import (
-    PROMPT_TOKENS, AutoscalePolicy, RoleBounds, RoleLevels, ScalingHistory, aggregate_role, decide, policy_from_spec,
+from disagg.operator.autoscale import ScalingHistory, decide
+from disagg.operator.autoscale_classify import RoleLevels
+from disagg.operator.autoscale_inputs import (
+    PROMPT_TOKENS, AutoscalePolicy, RoleBounds, aggregate_role, policy_from_spec,
 )
 from disagg.operator.metrics_source import Histogram, PodSample
 from disagg.operator.spec import AutoscalingSpec
