@@ -8,27 +8,24 @@ which then drains them in order: router first, then workers) and get SIGTERM if 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import http.server
 import json
 import logging
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from disagg.worker.local_process import (
+    LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
+)
+
 logger = logging.getLogger("disagg.launcher")
 
-PR_SET_PDEATHSIG = 1
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 ROUTER_PROBE_INTERVAL_S = 1.0  # the router's /ready probes and endpoints-file checks
 
@@ -44,30 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-# ---------------------------------------------------------------- ports and readiness (also used by tests)
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def is_ready(url: str, timeout: float = 1.0) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 # ---------------------------------------------------------------- the plan (pure: spec + ports -> commands)
-@dataclass
-class ProcessSpec:
-    name: str  # prefill-0, decode-1, router
-    argv: list[str]
-    url: str  # base URL of its HTTP API
-    env: dict[str, str] = field(default_factory=dict)
-    role: str = ""  # prefill | decode | router
-
-
 def resolve_model_dir(spec: Any) -> str:
     source = spec.model.source
     if source.kind == "generated":
@@ -152,124 +126,6 @@ def first_request(url: str, model: str) -> str:
     return r.text if r.status_code != 200 else json.dumps({"choices": r.json()["choices"], "usage": r.json()["usage"]})
 
 
-# ---------------------------------------------------------------- processes
-def _die_with_parent() -> None:
-    # the child gets SIGTERM if the launcher dies without cleaning up (Linux)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class LocalProcess:
-    def __init__(self, spec: ProcessSpec, log_dir: Path):
-        self.spec = spec
-        self.log_path = log_dir / f"{spec.name}.log"
-        self.popen: subprocess.Popen | None = None
-        self.started_at = 0.0
-        self.state = "starting"  # starting | serving | leaving | draining (see local_scaling.WorkerSet)
-        self.state_since = 0.0
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(
-            self.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        log.close()
-        self.started_at = time.monotonic()
-
-    def exited(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def terminate(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.Event, say: Any) -> bool:
-    pending = list(procs)
-    last_note = time.monotonic()
-    while pending and not stop.is_set():
-        for p in list(pending):
-            rc = p.exited()
-            if rc is not None:
-                say(f"  {p.spec.name} exited with status {rc} while starting; last log lines "
-                    f"({p.log_path}):\n{p.log_tail()}")
-                return False
-            if is_ready(p.spec.url, timeout=0.5):
-                pending.remove(p)
-                say(f"  {p.spec.name:<10} ready  {p.spec.url}  ({time.monotonic() - p.started_at:.1f}s)")
-        if time.monotonic() > deadline:
-            say(f"  timed out waiting for {', '.join(p.spec.name for p in pending)}; see {procs[0].log_path.parent}")
-            return False
-        if pending and time.monotonic() - last_note > 10:
-            last_note = time.monotonic()
-            say(f"  still starting: {', '.join(p.spec.name for p in pending)}")
-        stop.wait(0.2)
-    return not pending
-
-
-def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
-    """Router first (no new requests), then every worker drains; whatever outlives the grace is killed."""
-    for group in ([p for p in procs if p.spec.name == "router"], [p for p in procs if p.spec.name != "router"]):
-        for p in group:
-            p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in group:
-            if p.popen is None:
-                continue
-            try:
-                p.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                say(f"  {p.spec.name} did not stop within {grace_s:.0f}s; killing it")
-                p.kill()
-
-
-class _StatusHandler(http.server.BaseHTTPRequestHandler):
-    ready: Any = staticmethod(lambda: False)  # () -> bool
-    status: Any = staticmethod(lambda: {})  # () -> the /status JSON
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/health":
-            code, body = 200, {"status": "ok"}
-        elif self.path == "/ready":
-            ok = self.ready()
-            code, body = (200 if ok else 503), {"ready": ok}
-        elif self.path == "/status":
-            code, body = 200, self.status()
-        else:
-            code, body = 404, {"error": "not found"}
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-def _start_status_server(host: str, port: int, ready: Any, status: Any) -> Any:
-    """/health, /ready (every process up), /status (processes, replicas, the last autoscaling decision)."""
-    handler = type("StatusHandler", (_StatusHandler,), {"ready": staticmethod(ready), "status": staticmethod(status)})
-    server = http.server.ThreadingHTTPServer((host, port), handler)
-    threading.Thread(target=server.serve_forever, name="status", daemon=True).start()
-    return server
-
-
 # ---------------------------------------------------------------- the command
 def load_spec(path: str) -> Any:
     import yaml
@@ -334,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 "workers": workers.describe(),
                 "autoscaling": autoscaler.status() if autoscaler else {"enabled": False}}
 
-    server = _start_status_server(args.host, args.status_port, is_up, status) if args.status_port else None
+    server = start_status_server(args.host, args.status_port, is_up, status) if args.status_port else None
     counts = {role: initial_replicas(spec, role) for role in ("prefill", "decode")}
     scaling = (f", autoscaling every {spec.autoscaling.interval_seconds}s"
                f"{' (dry run)' if spec.autoscaling.dry_run else ''}" if autoscaler else "")

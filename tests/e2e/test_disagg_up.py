@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from disagg.worker.launcher import LocalProcess, ProcessSpec, free_port, is_ready
+from disagg.worker.local_process import LocalProcess, ProcessSpec, free_port, is_ready
 
 pytestmark = pytest.mark.slow
 

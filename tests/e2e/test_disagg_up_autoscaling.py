@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from disagg.worker.launcher import free_port
+from disagg.worker.local_process import free_port
 from test_disagg_up import CLI, REPO, alive, children_of, metric, nixl_available, wait_for
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ import pytest
 
 from disagg.operator import metrics_source as ms
 from disagg.operator.spec import parse_spec
-from disagg.worker.launcher import LocalProcess, ProcessSpec, initial_replicas, plan
+from disagg.worker.launcher import initial_replicas, plan
+from disagg.worker.local_process import LocalProcess, ProcessSpec
 from disagg.worker.local_scaling import (DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet,
                                          choose_victims, load_of, scaling_line)
 from disagg.worker.metrics import RouterMetrics
