@@ -215,8 +215,9 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-# measured on another role but a signal of this one: KV waiting at prefill to be pulled means decode is short
-CROSS_ROLE_SIGNALS = {"decode": ("prefill_pending_sends_per_pod",)}
+# not named after the role but signals of it: KV waiting at prefill to be pulled, or left unpulled until its lease
+# ran out, means decode is short
+CROSS_ROLE_SIGNALS = {"decode": ("prefill_pending_sends_per_pod", "expired_leases")}
 
 
 def role_metrics(decision: Decision, role: str) -> dict[str, float]:

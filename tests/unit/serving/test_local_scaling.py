@@ -227,6 +227,7 @@ def test_a_decode_scale_up_from_kv_waiting_at_prefill_reports_that_signal():
     assert scaler.tick().desired["decode"] == 2 and workers.calls == [("add", "decode")]
     event = scaler.events[-1]
     assert event["reason"] == "DecodeBound" and event["metrics"]["prefill_pending_sends_per_pod"] == 6
+    assert event["metrics"]["expired_leases"] == 0, "the other KV back-pressure signal is reported too"
     assert "prefill_waiting_requests_per_pod" not in event["metrics"], "prefill's own numbers stay on its events"
     assert "prefill_pending_sends_per_pod=6" in said[-1]
 
