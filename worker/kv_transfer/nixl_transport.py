@@ -267,7 +267,8 @@ class NixlTransport:
         nixl's send_notif() is fire-and-forget: when it cannot go out at once (a fresh connection still
         wiring up) it only leaves while this agent makes progress, which stops when the engine goes idle -
         the peer would then hold its blocks until the lease runs out. So the message rides, as a READ's
-        notification, on a one-byte read of the peer's registered region into a local scratch byte."""
+        notification, on a one-byte read of the peer's registered region into a local scratch byte (its value
+        is never used, so racing with the peer's own writes there is harmless)."""
         if not msg:
             raise ValueError("notify() needs a message")
         peer = self._peer(peer_engine_id)
