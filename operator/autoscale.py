@@ -41,7 +41,10 @@ class ScalingHistory:
     recommendations: dict[str, list[Recommendation]] = field(default_factory=dict)  # role -> oldest first
     last_samples: dict[str, PodSample] = field(default_factory=dict)  # pod -> its previous fresh sample
     levels: dict[str, RoleLevels] = field(default_factory=dict)  # role -> its levels at the previous decision
-
+    # the first decision's time: a scale-down window that reaches back before it (a fresh start, an operator restart
+    # or failover - the history lives in memory) assumes the current size was recommended then, so no scale-down
+    # happens until one whole window has been seen
+    since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Decision:
 def decide(samples_by_role: dict[str, list[PodSample]], current_replicas: dict[str, int], policy: AutoscalePolicy,
            history: ScalingHistory, now: float) -> Decision:
     """One autoscaling decision for both pools."""
+    if history.since is None:
+        history = replace(history, since=now)
     previous = history.last_samples
     rms = {r: aggregate_role(r, samples_by_role.get(r, []), previous, now, policy) for r in ROLES}
     last = dict(previous)
@@ -118,6 +123,8 @@ def _stabilize(role: str, rec: int, current: int, policy: AutoscalePolicy, histo
     recs.append(Recommendation(now, rec))
     up = min(r.replicas for r in recs if now - r.time <= policy.scale_up_window_seconds)
     down = max(r.replicas for r in recs if now - r.time <= policy.scale_down_window_seconds)
+    if history.since is not None and now - history.since < policy.scale_down_window_seconds:
+        down = max(down, current)  # the window reaches back before this history began (see ScalingHistory.since)
     return (up if up > current else down if down < current else current), recs
 
 

@@ -123,7 +123,8 @@ def _autoscale_once(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) ->
     with _lock(memo):
         if memo.exiting.is_set():
             return None
-        history = memo.get("scaling_history") or ScalingHistory()  # in memory: a restart starts a fresh window
+        # in memory: after an operator restart no scale-down until one whole down window has been seen again
+        history = memo.get("scaling_history") or ScalingHistory()
         now = memo.clock()
         try:
             result = autoscale(copy.deepcopy(dict(body)), memo.kube, history, now,

@@ -221,6 +221,12 @@ def run(steps, policy, current):
     ("up window takes the lowest", {"scale_up_window_seconds": 30}, 2,
      [(0, 8), (15, 40), (30, 40), (45, 40)],
      [(2, "WithinTolerance"), (2, "ScaleUpStabilizing"), (2, "ScaleUpStabilizing"), (10, "PrefillBound")]),
+    # a fresh history (first start, operator restart or failover: it lives in memory) knows nothing of the window
+    # before it began: it holds the current size until one whole down window has been seen
+    ("a fresh history holds a scale-down for one window", {"scale_down_window_seconds": 60}, 4,
+     [(0, 0), (15, 0), (45, 0), (60, 0)],
+     [(4, "ScaleDownStabilizing"), (4, "ScaleDownStabilizing"), (4, "ScaleDownStabilizing"), (1, "Underutilized")]),
+    ("a fresh history scales up at once", {"scale_down_window_seconds": 300}, 2, [(0, 40)], [(10, "PrefillBound")]),
     ("a blip inside the down window does not flap", {"scale_down_window_seconds": 60}, 4,
      [(0, 16), (15, 0), (30, 16), (45, 0)],
      [(4, "WithinTolerance"), (4, "ScaleDownStabilizing"), (4, "WithinTolerance"), (4, "ScaleDownStabilizing")]),
