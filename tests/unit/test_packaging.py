@@ -17,9 +17,9 @@ def test_stdlib_operator_wins_from_the_repository_root():
 
 
 def test_the_package_is_disagg_operator():
-    import operator
-
-    import disagg.operator.spec
-
-    assert operator.__name__ == "operator" and hasattr(operator, "attrgetter")
-    assert disagg.operator.spec.__name__ == "disagg.operator.spec"
+    # a fresh interpreter in the repository root, as a user's shell: the package imports as disagg.operator and
+    # `operator` stays the standard library's
+    code = ("import disagg.operator.spec, operator; assert operator.__name__ == 'operator'; "
+            "assert hasattr(operator, 'attrgetter'); print(disagg.operator.spec.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "disagg.operator.spec", proc.stderr

@@ -51,7 +51,7 @@ def main() -> None:
                     expired += sum(s.get("num_kv_expired_reqs", 0) for s in engine.stats.kv_connector_stats)
                     engine.stats.kv_connector_stats.clear()
                     time.sleep(0.001)
-                print(json.dumps({"free": engine.kv_cache_manager.num_free_blocks, "num_blocks": 96,
+                print(json.dumps({"free": engine.kv_cache_manager.num_free_blocks, "num_blocks": engine.kv_cache_manager.pool.num_blocks,
                                   "expired": expired,
                                   "pending_sends": engine.scheduler_connector.get_pending_counts()["pending_sends"]}),
                       flush=True)
