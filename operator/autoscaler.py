@@ -18,12 +18,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic.alias_generators import to_camel
 
@@ -41,7 +39,6 @@ log = logging.getLogger(__name__)
 ANNOTATION_METRICS_PORT = f"{s.GROUP}/metrics-port"
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_DELETION_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
-MAX_SCRAPE_THREADS = 16
 
 
 class Cluster(r.Cluster, Protocol):
@@ -74,11 +71,7 @@ def scrape_targets(pods: list[dict[str, Any]], role: str) -> list[PodTarget]:
 
 
 def scrape(targets: list[PodTarget], timeout: float, clock: Callable[[], float]) -> list[ms.PodSample]:
-    if not targets:
-        return []
-    with httpx.Client() as client, ThreadPoolExecutor(min(MAX_SCRAPE_THREADS, len(targets))) as pool:
-        return list(pool.map(lambda t: ms.scrape_pod(t.url, pod=t.name, role=t.role, timeout=timeout,
-                                                      clock=clock, client=client), targets))
+    return ms.scrape_pods([(t.url, t.name, t.role) for t in targets], timeout, clock)
 
 
 def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Callable[[], float]) -> list[
@@ -97,16 +90,9 @@ def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Ca
     return out
 
 
-def pod_load(sample: ms.PodSample) -> float:
-    """Work a pod would have to finish (or hand over) before it can go; unread KV counts as work."""
-    v = sample.values
-    return sum(v.get(n, 0.0) for n in (ms.NUM_REQUESTS_RUNNING, ms.NUM_REQUESTS_WAITING, ms.PENDING_SENDS,
-                                       ms.PENDING_LOADS))
-
-
 def pods_to_remove(samples: list[ms.PodSample], count: int) -> list[str]:
     """The `count` least-loaded pods with fresh numbers (ties: by name)."""
-    ranked = sorted((smp for smp in samples if not smp.missing), key=lambda smp: (pod_load(smp), smp.pod))
+    ranked = sorted((smp for smp in samples if not smp.missing), key=lambda smp: (ms.pod_load(smp), smp.pod))
     return [smp.pod for smp in ranked[:max(0, count)]]
 
 

@@ -12,6 +12,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -155,6 +156,25 @@ def scrape_pod(url: str, *, pod: str, role: str, timeout: float, clock: Clock = 
     except (httpx.HTTPError, ValueError, KeyError) as e:
         logger.warning("scrape %s (%s) failed: %s", url, pod, e)
         return PodSample(pod, role, clock(), error=f"{type(e).__name__}: {e}")
+
+
+MAX_SCRAPE_THREADS = 16
+
+
+def scrape_pods(targets: list[tuple[str, str, str]], timeout: float, clock: Clock = time.time) -> list[PodSample]:
+    """(url, pod, role) each -> one sample each, in order; concurrently, over one connection pool."""
+    if not targets:
+        return []
+    with httpx.Client() as client, ThreadPoolExecutor(min(MAX_SCRAPE_THREADS, len(targets))) as pool:
+        return list(pool.map(lambda t: scrape_pod(t[0], pod=t[1], role=t[2], timeout=timeout, clock=clock,
+                                                  client=client), targets))
+
+
+def pod_load(sample: PodSample) -> float:
+    """Work a pod would have to finish (or hand over) before it can go: requests running or queued, KV held for
+    a reader or awaited from a sender."""
+    v = sample.values
+    return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS))
 
 
 # ---------------------------------------------------------------- Prometheus HTTP API

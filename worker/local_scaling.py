@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -140,11 +139,7 @@ def choose_victims(candidates: list[LocalProcess], loads: dict[str, float], n: i
     return sorted(candidates, key=key)[:max(n, 0)]
 
 
-def load_of(sample: ms.PodSample) -> float:
-    """Work a worker would have to finish while draining: requests running or queued, KV held or awaited."""
-    v = sample.values
-    return sum(v.get(name, 0.0) for name in (ms.NUM_REQUESTS_RUNNING, ms.NUM_REQUESTS_WAITING, ms.PENDING_SENDS,
-                                             ms.PENDING_LOADS))
+load_of = ms.pod_load  # work a worker would have to finish while draining (the operator ranks pods the same way)
 
 
 # ---------------------------------------------------------------- the autoscaling loop
@@ -203,11 +198,7 @@ class LocalAutoscaler:
 
 
 def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float]) -> list[ms.PodSample]:
-    if not procs:
-        return []
-    with httpx.Client() as client, ThreadPoolExecutor(min(16, len(procs))) as pool:
-        return list(pool.map(lambda p: ms.scrape_pod(f"{p.spec.url}/metrics", pod=p.spec.name, role=p.spec.role,
-                                                      timeout=timeout, clock=clock, client=client), procs))
+    return ms.scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)
 
 
 # ---------------------------------------------------------------- reporting (pure)

@@ -7,7 +7,6 @@ import shutil
 import pytest
 
 from disagg.worker import LLM, SamplingParams
-from disagg.worker.engine.request import RequestStatus
 
 
 @pytest.fixture(scope="module")
