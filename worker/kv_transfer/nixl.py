@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,11 +43,10 @@ from disagg.worker.kv_transfer.base import (
     KVTransferParamsError,
 )
 from disagg.worker.kv_transfer.side_channel import (
-    KV_LAYOUT,
     EngineMetadata,
     SideChannelError,
-    compat_fields,
     fetch_engine_metadata,
+    spec_compat_fields,
 )
 
 if TYPE_CHECKING:
@@ -102,6 +100,9 @@ class NixlConnectorMetadata:
     sends: dict[str, float] = field(default_factory=dict)  # req_id -> lease deadline (monotonic s)
 
 
+DEFAULT_LEASE_SECONDS = 30.0  # extra config lease_seconds: how long prefill keeps unread KV
+
+
 class NixlConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         _require_nixl()
@@ -109,7 +110,7 @@ class NixlConnector(KVConnectorBase):
         extra = config.kv_connector_extra_config
         self.engine_id = config.engine_id
         self.block_size = kv_cache_spec.block_size
-        self.lease_seconds = float(extra.get("lease_seconds", 30))
+        self.lease_seconds = float(extra.get("lease_seconds", DEFAULT_LEASE_SECONDS))
         self.handshake_timeout = float(extra.get("handshake_timeout_seconds", 5))
         self.lease_margin = float(extra.get("lease_margin_seconds", 1))
         self.bind_host = extra.get("side_channel_host", "127.0.0.1")
@@ -135,8 +136,7 @@ class NixlConnector(KVConnectorBase):
         self._sending: set[str] = set()
         self._consumed: set[str] = set()  # requests whose remote prefill was handled (or given up)
         s = self.kv_cache_spec
-        self._local_compat = compat_fields(s.model_name, s.dtype, s.num_layers, s.num_kv_heads, s.head_dim,
-                                           s.block_size, KV_LAYOUT)
+        self._local_compat = spec_compat_fields(s)
 
     def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: dict[str, Any]) -> None:
         for flag in ("do_remote_prefill", "do_remote_decode"):
@@ -172,7 +172,7 @@ class NixlConnector(KVConnectorBase):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or request.request_id in self._consumed or request.num_output_tokens:
             return 0, False
-        if _lease_over(params, self.lease_margin):
+        if _lease_over(params.get("remote_lease_expires_at"), self.lease_margin):
             self._remote_unusable(request, "the prefill engine's lease on this request's KV has run out")
             return 0, False
         peer = self._peer_for(request, params)
@@ -294,7 +294,6 @@ class NixlConnector(KVConnectorBase):
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._num_expired = 0
-        self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         from disagg.worker.kv_transfer.nixl_transport import NixlTransport
@@ -317,10 +316,8 @@ class NixlConnector(KVConnectorBase):
             self._start_read(load)
 
     def _start_read(self, load: LoadSpec) -> None:
-        from disagg.worker.kv_transfer.nixl_transport import NixlTransportError
-
         try:
-            if _lease_over({"remote_lease_expires_at": load.lease_expires_at}, self.lease_margin):
+            if _lease_over(load.lease_expires_at, self.lease_margin):
                 raise TimeoutError("the prefill engine's lease on this KV ran out before the read")
             self.transport.add_peer(load.peer)
             msg = load.remote_request_id.encode()
@@ -330,7 +327,7 @@ class NixlConnector(KVConnectorBase):
             else:  # every needed block was cached here: only release the sender, tracked like a read so
                 handle = self.transport.notify(load.peer.engine_id, msg)  # the engine steps until it is out
             self._reads[load.req_id] = (handle, load)
-        except (NixlTransportError, Exception) as e:  # noqa: BLE001 - any failure invalidates these blocks
+        except Exception as e:  # noqa: BLE001 - any failure (nixl's errors share no base) invalidates these blocks
             logger.warning("request %s: reading KV from %s failed: %s", load.req_id, load.peer.engine_id, e)
             self._load_errors.update(load.local_block_ids)
             self._done_recving.add(load.req_id)
@@ -397,7 +394,7 @@ class NixlConnector(KVConnectorBase):
             self.transport = None
 
 
-def _lease_over(params: dict[str, Any], margin: float) -> bool:
-    """True when the sender may already have reused the blocks (missing deadline: trust the sender)."""
-    expires = params.get("remote_lease_expires_at")
+def _lease_over(expires: Any, margin: float) -> bool:
+    """True when the sender may already have reused the blocks (`expires`: remote_lease_expires_at, wall clock;
+    missing: trust the sender)."""
     return isinstance(expires, (int, float)) and not isinstance(expires, bool) and time.time() > expires - margin

@@ -27,7 +27,7 @@ from typing import Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec
 from disagg.worker.kv_transfer.nixl_metrics import NixlTransferStats
-from disagg.worker.kv_transfer.side_channel import KV_LAYOUT, EngineMetadata, compat_fields, compat_hash
+from disagg.worker.kv_transfer.side_channel import KV_LAYOUT, EngineMetadata, compat_hash, spec_compat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +181,7 @@ class NixlTransport:
         regions = [(self.kv_cache.data_ptr(), self._nbytes(), self.device_id, ""),
                    (self._scratch.data_ptr(), _SCRATCH_BYTES, self.device_id, "")]
         self._reg_descs = self._agent.register_memory(regions, self.device_kind)
-        fields = compat_fields(self.spec.model_name, self.spec.dtype, self.spec.num_layers,
-                               self.spec.num_kv_heads, self.spec.head_dim, self.spec.block_size, KV_LAYOUT)
+        fields = spec_compat_fields(self.spec)
         self._metadata = EngineMetadata(
             engine_id=self.engine_id, agent_name=self.agent_name,
             agent_metadata=self._agent.get_agent_metadata(),  # after registration: it carries the region

@@ -22,6 +22,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from disagg.worker.kv_transfer.base import KVCacheSpec
+
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
@@ -65,6 +67,12 @@ def compat_fields(
         "layout": layout,
         "protocol_version": PROTOCOL_VERSION,
     }
+
+
+def spec_compat_fields(spec: KVCacheSpec) -> dict[str, Any]:
+    """compat_fields() of an engine's KV cache (its spec, this build's layout)."""
+    return compat_fields(spec.model_name, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                         spec.block_size)
 
 
 def compat_hash(fields: dict[str, Any]) -> str:

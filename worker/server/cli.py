@@ -17,8 +17,9 @@ from typing import Any
 
 import uvicorn
 
+from disagg.worker.kv_transfer.nixl import DEFAULT_LEASE_SECONDS
+
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
-DEFAULT_LEASE_SECONDS = 30
 
 logger = logging.getLogger("disagg.worker.server")
 
