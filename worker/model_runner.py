@@ -93,8 +93,6 @@ class ModelRunner:
                 for state, token_id in zip(states, token_ids):
                     state.token_ids.append(token_id)
                     sampled[state.req_id] = [token_id]
-        for r in req_ids:
-            self.requests[r].num_computed_tokens += so.num_scheduled_tokens[r]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output)
 
     def _prepare_inputs(

@@ -62,12 +62,8 @@ class BlockPool:
         ids = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict its cached prefix
-                if self._cached.get(block.block_hash) == block_id:
-                    del self._cached[block.block_hash]
-                block.block_hash = None
-            block.ref_cnt = 1
+            self.uncache_block(block_id)  # evict its cached prefix
+            self.blocks[block_id].ref_cnt = 1
             ids.append(block_id)
         return ids
 
@@ -99,7 +95,7 @@ class BlockPool:
         self._cached.setdefault(block_hash, block_id)
 
     def uncache_block(self, block_id: int) -> None:
-        """Forget a block's hash (its KV is invalid, e.g. a failed remote load)."""
+        """Forget a block's hash (its KV is invalid, e.g. a failed remote load, or the block is reused)."""
         block = self.blocks[block_id]
         if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
             del self._cached[block.block_hash]
