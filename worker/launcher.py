@@ -93,14 +93,13 @@ def initial_replicas(spec: Any, role: str) -> int:
 
 
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
-         worker_args: list[str] = (), endpoints_file: str | None = None,
-         probe_interval_s: float = ROUTER_PROBE_INTERVAL_S) -> list[ProcessSpec]:
+         worker_args: list[str] = (), endpoints_file: str | None = None) -> list[ProcessSpec]:
     """Workers first, the router last (it is started once the workers are up). With `endpoints_file` the router
     follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line."""
     procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
     router = [*CLI, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
-              "--probe-interval", str(probe_interval_s)]
+              "--probe-interval", str(ROUTER_PROBE_INTERVAL_S)]
     if endpoints_file is not None:
         router += ["--discovery", "file", "--endpoints-file", endpoints_file]
     else:
@@ -154,7 +153,7 @@ def load_spec(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
-    from disagg.worker.local_scaling import LocalAutoscaler, WorkerSet
+    from disagg.worker.local_scaling import ACTIVE, LocalAutoscaler, WorkerSet
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     def is_up() -> bool:
-        active = [p for p in workers.workers if p.state in ("starting", "serving")]
+        active = [p for p in workers.workers if p.state in ACTIVE]
         return ready.is_set() and all(p.exited() is None for p in [router, *active])
 
     def status() -> dict[str, Any]:

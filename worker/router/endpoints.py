@@ -10,7 +10,6 @@ class Endpoint:
     url: str  # base URL, e.g. http://10.0.0.5:8000
     ready: bool = False  # last /ready probe answered 200
     outstanding: int = 0  # requests this router has in flight there
-    consecutive_errors: int = 0  # failed hops since the last success
     revision: str | None = None  # serving revision (pod label); prefill and decode are paired by it
 
 
@@ -56,8 +55,4 @@ class EndpointPool:
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         """A connection error or 5xx: stop choosing it until the next probe says it is ready."""
-        endpoint.consecutive_errors += 1
         endpoint.ready = False
-
-    def mark_ok(self, endpoint: Endpoint) -> None:
-        endpoint.consecutive_errors = 0

@@ -162,7 +162,6 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
         state.metrics.hop("prefill", time.monotonic() - start, error=False)
         if r.status_code >= 400:
             return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
-        state.prefill.mark_ok(ep)
         try:
             return r.json().get("kv_transfer_params"), ep.revision
         except (json.JSONDecodeError, AttributeError):

@@ -73,10 +73,8 @@ def kv_transfer_config(args: argparse.Namespace) -> Any:
                        ("shared_storage_path", args.kv_shared_storage_path)):
         if value is not None:
             extra[key] = value
-    connector = args.kv_connector
-    module_path = connector if connector and ":" in connector else None
     return KVTransferConfig(
-        kv_connector=None if module_path else connector, kv_connector_module_path=module_path,
+        kv_connector=args.kv_connector,  # a registered name or 'package.module:Class' (the factory resolves both)
         kv_role=args.kv_role or KV_ROLES[args.role], engine_id=args.engine_id,
         kv_load_failure_policy=args.kv_load_failure_policy, kv_connector_extra_config=extra,
     )
