@@ -21,18 +21,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
+from disagg.worker.server.protocol import error_body, sse
 
 logger = logging.getLogger(__name__)
 
 
 def error_json(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(error_body(status, message, type_, param), status_code=status)
 
 
 def sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return sse(error_body(502, message, "upstream_error")) + sse("[DONE]")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from disagg.worker.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, completion_response,
-    error_body, stream_chunk, usage, usage_chunk, validation_message,
+    error_body, sse, stream_chunk, usage, usage_chunk, validation_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,11 +37,6 @@ class ServerState:
     def next_engine_id(self, request_id: str) -> str:
         # the client's X-Request-Id may repeat; the engine's ids must not
         return f"{request_id}#{next(self._ids)}"
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 def error_response(e: APIError) -> JSONResponse:

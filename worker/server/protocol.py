@@ -1,6 +1,7 @@
 """OpenAI-compatible request schemas, response builders and error bodies (the external HTTP contract)."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -22,6 +23,12 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: a JSON payload or a literal such as "[DONE]"."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
