@@ -80,19 +80,15 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished():
                 continue
-            was_recving = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            if req in self.running:
-                self.running.remove(req)
-            elif req in self.waiting:
-                self.waiting.remove(req)
-            req.status, req.error = status, error
-            if was_recving:  # blocks are being written by a transfer: free them once it is over
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # blocks are being written by a transfer: free them once it is over
+                self._dequeue(req)
+                req.status, req.error = status, error
                 del self.requests[req_id]
                 self._aborted_recving[req_id] = req
                 self.finished_req_ids.add(req_id)
                 continue
-            self._free_request(req)
-            self._pending_outputs.append(self._finish_output(req, []))
+            self._finish(req, status, error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -351,12 +347,19 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return req.is_finished()
 
-    def _finish_with_error(self, req: Request, error: str) -> None:
+    def _dequeue(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.status, req.error = RequestStatus.FINISHED_ERROR, error
+
+    def _finish_with_error(self, req: Request, error: str) -> None:
+        self._finish(req, RequestStatus.FINISHED_ERROR, error)
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None) -> None:
+        """Out of the queues, status set, blocks freed (or handed to a remote reader), output queued."""
+        self._dequeue(req)
+        req.status, req.error = status, error
         self._free_request(req)
         self._pending_outputs.append(self._finish_output(req, []))
 
