@@ -1,6 +1,7 @@
 """LLMEngine: joins scheduler, model runner and detokenizer; `step()` advances every request one step."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,6 @@ from disagg.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,13 +59,14 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}"
             )
-        num_blocks = self._num_kv_blocks()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        dtype_name = next(k for k, v in _DTYPES.items() if v == self.dtype)
-        self.kv_cache_spec = KVCacheSpec(
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        spec = KVCacheSpec(
             model_name=self.served_model_name, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim, block_size=config.block_size, num_blocks=num_blocks, dtype=dtype_name,
+            head_dim=mc.head_dim, block_size=config.block_size, num_blocks=0, dtype=dtype_name,
         )
+        num_blocks = self._num_kv_blocks(spec.bytes_per_block)
+        self.kv_cache_spec = dataclasses.replace(spec, num_blocks=num_blocks)
         kv_cache = allocate_kv_cache(
             (num_blocks, mc.num_hidden_layers, 2, config.block_size, mc.num_key_value_heads, mc.head_dim),
             self.dtype, self.device,
@@ -95,8 +96,8 @@ class LLMEngine:
             ktc.kv_connector_module_path or ktc.kv_connector,
         )
 
-    def _num_kv_blocks(self) -> int:
-        cfg, mc = self.config, self.model_config
+    def _num_kv_blocks(self, per_block: int) -> int:
+        cfg = self.config
         min_blocks = cdiv(self.max_model_len, cfg.block_size)
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks < min_blocks:
@@ -105,8 +106,6 @@ class LLMEngine:
                     f"request (needs {min_blocks})"
                 )
             return cfg.num_kv_blocks
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_block = mc.num_hidden_layers * 2 * cfg.block_size * mc.num_key_value_heads * mc.head_dim * itemsize
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
