@@ -2,12 +2,17 @@
 
 Credentials come from the `kubernetes` package's loaders (in-cluster service account, else $KUBECONFIG or
 ~/.kube/config, read at call time); the same settings log kopf in, so both talk to one API server as one user.
+In a pod the service-account token file is re-read once the token in use is older than a minute: the kubelet
+rotates projected tokens (and they expire).
 Objects are plain dicts; writes are JSON merge patches (lists replace, null deletes a key).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +33,7 @@ PLURALS = {
     "Pod": "pods",  # the autoscaler lists worker pods and marks the one to remove (pod-deletion-cost)
 }
 TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}  # 409: a concurrent writer; the next pass re-reads
+TOKEN_REFRESH_SECONDS = 60.0  # as the kubernetes package's in-cluster loader
 
 
 class ApiError(Exception):
@@ -49,16 +55,19 @@ class Connection:
     key_path: str | None = None
     insecure: bool = False
     namespace: str | None = None  # kubeconfig context's namespace or the pod's
+    token_path: str | None = None  # in a pod: the service-account token file `token` was read from (rotated)
 
 
 def load_connection() -> Connection:
     """In a pod: the service account. Elsewhere: $KUBECONFIG (first path) or ~/.kube/config."""
     from kubernetes import client, config  # the operator extra; imported late so `disagg crd` needs none of it
+    from kubernetes.config.incluster_config import SERVICE_TOKEN_FILENAME
 
     cfg = client.Configuration()
-    namespace = None
+    namespace = token_path = None
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)
+        config.load_incluster_config(client_configuration=cfg)  # reads SERVICE_TOKEN_FILENAME (must exist)
+        token_path = SERVICE_TOKEN_FILENAME
         ns_file = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
         namespace = open(ns_file).read().strip() if os.path.exists(ns_file) else None
     else:
@@ -69,7 +78,8 @@ def load_connection() -> Connection:
     auth = cfg.get_api_key_with_prefix("authorization") or cfg.get_api_key_with_prefix("BearerToken")
     token = auth.split(" ", 1)[1] if auth and auth.lower().startswith("bearer ") else None
     return Connection(server=cfg.host, token=token, ca_path=cfg.ssl_ca_cert, cert_path=cfg.cert_file,
-                      key_path=cfg.key_file, insecure=not cfg.verify_ssl, namespace=namespace)
+                      key_path=cfg.key_file, insecure=not cfg.verify_ssl, namespace=namespace,
+                      token_path=token_path if token else None)
 
 
 def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -78,13 +88,51 @@ def object_path(api_version: str, kind: str, namespace: str, name: str | None = 
     return f"{path}/{name}" if name else path
 
 
+class _RotatedTokenAuth(httpx.Auth):
+    """Bearer auth from a token file the kubelet rotates: re-read once the token in use is `max_age_seconds`
+    old. A failed read keeps the token in use (logged); the next request tries again."""
+
+    def __init__(self, path: str, token: str, clock: Callable[[], float], max_age_seconds: float):
+        self._path, self._token, self._clock, self._max_age = path, token, clock, max_age_seconds
+        self._read_at = clock()
+        self._lock = threading.Lock()  # one client serves the reconcile and autoscale threads
+
+    def token(self) -> str:
+        with self._lock:
+            now = self._clock()
+            if now - self._read_at >= self._max_age:
+                try:
+                    with open(self._path, encoding="utf-8") as f:
+                        token = f.read().strip()
+                except OSError as e:
+                    log.warning("cannot re-read the service-account token %s: %s", self._path, e)
+                else:
+                    if token:
+                        self._token, self._read_at = token, now
+                    else:
+                        log.warning("service-account token file %s is empty", self._path)
+            return self._token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self.token()}"
+        yield request
+
+
 class KubeClient:
-    def __init__(self, connection: Connection, timeout_seconds: float = 10.0):
+    def __init__(self, connection: Connection, timeout_seconds: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 token_refresh_seconds: float = TOKEN_REFRESH_SECONDS):
+        """`clock` (seconds) and `token_refresh_seconds` only matter with a token file (connection.token_path)."""
         verify: Any = False if connection.insecure else (connection.ca_path or True)
         cert = (connection.cert_path, connection.key_path) if connection.cert_path else None
-        headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
+        headers: dict[str, str] = {}
+        auth: httpx.Auth | None = None
+        if connection.token and connection.token_path:
+            auth = _RotatedTokenAuth(connection.token_path, connection.token, clock, token_refresh_seconds)
+        elif connection.token:
+            headers["Authorization"] = f"Bearer {connection.token}"
         self._http = httpx.Client(base_url=connection.server, verify=verify, cert=cert, headers=headers,
-                                  timeout=timeout_seconds)
+                                  auth=auth, timeout=timeout_seconds)
 
     def close(self) -> None:
         self._http.close()
