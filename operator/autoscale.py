@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from disagg.operator.autoscale_classify import Classification, RoleLevels, classify, project
-from disagg.operator.autoscale_inputs import ROLES, AutoscalePolicy, RoleMetrics, aggregate_role
+from disagg.operator.autoscale_inputs import ROLES, AutoscalePolicy, RoleMetrics, aggregate_role, is_fresh
 from disagg.operator.metrics_source import PodSample
 
 
@@ -90,7 +90,7 @@ def decide(samples_by_role: dict[str, list[PodSample]], current_replicas: dict[s
     last = dict(previous)
     for r in ROLES:
         for s in samples_by_role.get(r, []):
-            if not s.missing and now - s.timestamp <= policy.stale_after_seconds:
+            if is_fresh(s, now, policy):
                 last[s.pod] = s
     history = replace(history, last_samples=last)
     bad = _metrics_problem(rms, current_replicas)

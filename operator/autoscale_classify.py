@@ -129,11 +129,13 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
             rec[role] = max(rec[role], min(c, n))
     p_over, d_over = rec["prefill"] > cp, rec["decode"] > cd
     backlog = sends_ratio > 1 + tol or expired > 0  # KV waits at prefill to be pulled
-    slow = [f"transfer time {xfer_time:.3f}s over target {policy.xfer_time_seconds:.3f}s"
-            for _ in [0] if xfer_ratio is not None and xfer_ratio > 1 + tol]
-    slow += [f"{d.pending_loads:.0f} pending loads over {policy.pending_loads_per_pod} per pod x {cd}"
-             for _ in [0] if loads_ratio is not None and loads_ratio > 1 + tol]
-    slow += [f"{failed:.0f} failed transfers"] if failed > 0 else []
+    slow: list[str] = []
+    if xfer_ratio is not None and xfer_ratio > 1 + tol:
+        slow.append(f"transfer time {xfer_time:.3f}s over target {policy.xfer_time_seconds:.3f}s")
+    if loads_ratio is not None and loads_ratio > 1 + tol:
+        slow.append(f"{d.pending_loads:.0f} pending loads over {policy.pending_loads_per_pod} per pod x {cd}")
+    if failed > 0:
+        slow.append(f"{failed:.0f} failed transfers")
 
     blocked: dict[str, str] = {}  # role -> why it does not scale up
     # decode's KV also holds requests whose KV is still in flight, so with slow transfers only ITL says decode is

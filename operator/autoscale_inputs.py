@@ -114,19 +114,24 @@ def _required(role: str, policy: AutoscalePolicy) -> list[str]:
     return [m.KV_CACHE_USAGE] if policy.kv_cache_usage is not None else []
 
 
+def is_fresh(sample: PodSample, now: float, policy: AutoscalePolicy) -> bool:
+    """The pod was read, and not longer than stale_after_seconds ago: its numbers count."""
+    return not sample.missing and now - sample.timestamp <= policy.stale_after_seconds
+
+
 def aggregate_role(role: str, samples: list[PodSample], previous: dict[str, PodSample], now: float,
                    policy: AutoscalePolicy) -> RoleMetrics:
     """Sum gauges over pods; latencies from histogram deltas against each pod's previous sample."""
     rm = RoleMetrics(role)
     fresh = []
     for s in samples:
-        if s.missing:
-            rm.missing.append(f"{s.pod} ({s.error})")
-        elif now - s.timestamp > policy.stale_after_seconds:
-            rm.stale.append(f"{s.pod} ({now - s.timestamp:.0f}s old)")
-        else:
+        if is_fresh(s, now, policy):
             fresh.append(s)
             rm.absent += [f"{s.pod}:{name}" for name in _required(role, policy) if name not in s.values]
+        elif s.missing:
+            rm.missing.append(f"{s.pod} ({s.error})")
+        else:
+            rm.stale.append(f"{s.pod} ({now - s.timestamp:.0f}s old)")
     rm.pods = len(fresh)
     v = lambda s, name: s.values.get(name, 0.0)  # noqa: E731
     rm.waiting_requests = sum(v(s, m.NUM_REQUESTS_WAITING) for s in fresh)

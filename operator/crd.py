@@ -1,6 +1,7 @@
 """Generate the CustomResourceDefinition from the pydantic models in spec.py.
 
-`disagg crd` (or `python -m disagg.operator.crd`) writes crds/<plural>.<group>.yaml; `--check` fails on drift.
+`disagg crd` (or `python -m disagg.operator.crd`) writes crds/<plural>.<group>.yaml and, with the default output
+directory, the Helm chart's copy (charts/disagg-operator/crds/); `--check` fails on drift of either.
 Pydantic's JSON schema is rewritten into a Kubernetes structural schema: $refs inlined, Optional collapsed,
 int|str quantities as x-kubernetes-int-or-string, free-form objects as x-kubernetes-preserve-unknown-fields.
 """
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 CRD_NAME = f"{s.PLURAL}.{s.GROUP}"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "crds"
+CHART_DIR = DEFAULT_DIR.parent / "charts" / "disagg-operator" / "crds"  # Helm installs CRDs from here
 FILE_NAME = f"{CRD_NAME}.yaml"
 
 # keys a structural schema may carry (apiextensions.k8s.io/v1 JSONSchemaProps, minus what we never emit)
@@ -124,8 +126,9 @@ def render_crd() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output-dir", type=Path, default=DEFAULT_DIR, help="directory for the CRD YAML")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the models")
+    parser.add_argument("-o", "--output-dir", type=Path, default=DEFAULT_DIR,
+                        help="directory for the CRD YAML (default crds/: the chart's crds/ is written too)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file differs from the models")
     parser.add_argument("--stdout", action="store_true", help="write the YAML to stdout instead")
 
 
@@ -134,16 +137,18 @@ def run(args: argparse.Namespace) -> int:
     if args.stdout:
         sys.stdout.write(text)
         return 0
-    path = args.output_dir / FILE_NAME
+    paths = [args.output_dir / FILE_NAME]
+    if args.output_dir.resolve() == DEFAULT_DIR and CHART_DIR.is_dir():  # in a checkout: the chart's copy too
+        paths.append(CHART_DIR / FILE_NAME)
     if args.check:
-        current = path.read_text() if path.exists() else ""
-        if current != text:
+        stale = [p for p in paths if (p.read_text() if p.exists() else "") != text]
+        for path in stale:
             sys.stderr.write(f"{path} is out of date: run `disagg crd`\n")
-            return 1
-        return 0
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    log.info("wrote %s", path)
+        return 1 if stale else 0
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        log.info("wrote %s", path)
     return 0
 
 

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from pydantic import ValidationError
-
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
 
@@ -93,12 +91,11 @@ def hand_set_replicas(desired: dict[str, Any], observed: dict[str, Any]) -> int 
 
 
 def apply_child(cluster: Cluster, desired: dict[str, Any],
-                observed: dict[str, Any] | None = None) -> tuple[dict[str, Any], bool]:
-    """Returns (the object as the server now holds it, whether we wrote). `observed`: already read."""
+                observed: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """Returns (the object as the server now holds it, whether we wrote). `observed`: the child as just read,
+    None when it does not exist."""
     meta = desired["metadata"]
     key = (desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-    if observed is None:
-        observed = cluster.get(*key)
     if observed is None:
         return cluster.create(_stamped(desired)), True  # 409 if created meanwhile: transient, next pass patches
     if not child_needs_write(desired, observed):
@@ -195,12 +192,8 @@ def build_status(generation: int, deployments: dict[str, dict | None], desired: 
 
 # ---------------------------------------------------------------- the pass
 def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[s.Problem]]:
-    problems = s.name_problems(body["metadata"]["name"])
-    try:
-        spec = s.parse_spec(body.get("spec") or {})
-    except ValidationError as e:
-        return None, problems + s.pydantic_problems(e)
-    return spec, problems + s.semantic_problems(spec, "kubernetes")
+    spec, problems = s.check_spec(body.get("spec") or {}, "kubernetes")
+    return spec, s.name_problems(body["metadata"]["name"]) + problems
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -266,12 +266,14 @@ class DisaggregatedInferenceSpec(_Model):
 
 # ---------------------------------------------------------------- status
 # conditions the reconcile pass owns, and those the autoscaler owns
-RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
-AUTOSCALING_CONDITIONS = ("ScalingActive", "ScalingLimited", "TransferBound")
+ReconcileCondition = Literal["Ready", "Progressing", "Degraded"]
+AutoscalingCondition = Literal["ScalingActive", "ScalingLimited", "TransferBound"]
+RECONCILE_CONDITIONS: tuple[str, ...] = get_args(ReconcileCondition)
+AUTOSCALING_CONDITIONS: tuple[str, ...] = get_args(AutoscalingCondition)
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded", "ScalingActive", "ScalingLimited", "TransferBound"]
+    type: Literal[ReconcileCondition, AutoscalingCondition]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
     message: str = Field("", max_length=32768)
@@ -345,6 +347,18 @@ def pydantic_problems(err: ValidationError, prefix: str = "spec") -> list[Proble
 def parse_spec(spec: dict[str, Any]) -> DisaggregatedInferenceSpec:
     """Raises pydantic.ValidationError; see pydantic_problems()."""
     return DisaggregatedInferenceSpec.model_validate(spec)
+
+
+def check_spec(raw: Any,
+               target: Literal["kubernetes", "local"]) -> tuple[DisaggregatedInferenceSpec | None, list[Problem]]:
+    """Parse and check a spec: (the spec, []) when it can be served on `target`; else the problems, schema
+    (pydantic) ones first; the checks beyond the schema only run on a spec that parsed (the spec is None
+    when it did not)."""
+    try:
+        spec = parse_spec(raw)
+    except ValidationError as e:
+        return None, pydantic_problems(e)
+    return spec, semantic_problems(spec, target)
 
 
 def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kubernetes", "local"]) -> list[Problem]:

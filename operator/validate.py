@@ -9,7 +9,6 @@ import sys
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
 
 from disagg.operator import spec as s
 
@@ -33,11 +32,7 @@ def validate_document(doc: Any, target: Target = "kubernetes") -> list[s.Problem
     raw_spec = doc.get("spec")
     if not isinstance(raw_spec, dict):
         return problems + [s.Problem("spec", "required: a mapping")]
-    try:
-        parsed = s.parse_spec(raw_spec)
-    except ValidationError as e:
-        return problems + s.pydantic_problems(e)
-    return problems + s.semantic_problems(parsed, target)
+    return problems + s.check_spec(raw_spec, target)[1]
 
 
 def load_documents(text: str) -> list[Any]:

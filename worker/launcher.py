@@ -128,19 +128,14 @@ def first_request(url: str, model: str) -> str:
 # ---------------------------------------------------------------- the command
 def load_spec(path: str) -> Any:
     import yaml
-    from pydantic import ValidationError
 
-    from disagg.operator.spec import parse_spec, pydantic_problems, semantic_problems
+    from disagg.operator.spec import check_spec
 
     doc = yaml.safe_load(Path(path).read_text())
     if not isinstance(doc, dict) or "spec" not in doc:
         raise ValueError(f"{path}: expected a DisaggregatedInference document with a 'spec'")
-    try:
-        spec = parse_spec(doc["spec"])
-    except ValidationError as e:
-        raise ValueError("\n".join(f"{path}: {p}" for p in pydantic_problems(e))) from None
-    problems = semantic_problems(spec, "local")
-    if problems:
+    spec, problems = check_spec(doc["spec"], "local")
+    if spec is None or problems:
         raise ValueError("\n".join(f"{path}: {p}" for p in problems))
     if spec.decode.replicas < 1 and not spec.autoscaling.enabled:
         raise ValueError(f"{path}: spec.decode.replicas must be >= 1 to serve locally")
