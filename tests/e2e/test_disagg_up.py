@@ -4,18 +4,19 @@ streaming and not, match one colocated `--role both` worker token for token (gre
 bytes moved and TTFT observations; SIGTERM leaves no child process behind."""
 from __future__ import annotations
 
-import importlib.util
+import functools
 import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+import waiting
+from serving_helpers import NIXL_MISSING, metric, nixl_available
 
 from disagg.worker.local_process import LocalProcess, ProcessSpec, free_port, is_ready
 
@@ -25,26 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
-
-
-def nixl_available() -> bool:
-    return importlib.util.find_spec("nixl") is not None and \
-        importlib.util.find_spec("disagg.worker.kv_transfer.nixl") is not None
-
-
 CONNECTORS = [
-    pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(
-        not nixl_available(), reason="disagg.worker.kv_transfer.nixl or the nixl package does not import yet")),
+    pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)),
     pytest.param("SharedStorageConnector", id="shared-storage"),
 ]
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return result
+wait_for = functools.partial(waiting.wait_for, interval=0.1)  # (probe, timeout, what); probes read logs or call HTTP
 
 
 def children_of(pid: int) -> set[int]:
@@ -65,13 +51,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
 
 
 @pytest.fixture(scope="module")

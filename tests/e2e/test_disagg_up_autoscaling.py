@@ -14,9 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from serving_helpers import metric, nixl_available
 
 from disagg.worker.local_process import free_port
-from test_disagg_up import CLI, REPO, alive, children_of, metric, nixl_available, wait_for
+from test_disagg_up import CLI, REPO, alive, children_of, wait_for
 
 pytestmark = pytest.mark.slow
 

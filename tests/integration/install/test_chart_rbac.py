@@ -13,12 +13,10 @@ Discovery (/api, /apis) is not in any rule: every authenticated user may read it
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -33,29 +31,21 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "disagg-operator"
 OPERATOR_TESTS = ROOT / "tests" / "integration" / "operator"
-if str(OPERATOR_TESTS) not in sys.path:  # the operator tests' emulator (tests/ itself: tests/conftest.py)
+if str(OPERATOR_TESTS) not in sys.path:  # the operator tests' emulator and harness (tests/: tests/conftest.py)
     sys.path.insert(0, str(OPERATOR_TESTS))
 
 from emulator import EmulatorThread, Kind, RecordedRequest  # noqa: E402
 from fake_worker import FakeWorker  # noqa: E402
 from helm_cli import template  # noqa: E402
+from operator_harness import CR, EXAMPLES  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from disagg.operator import autoscaler as sc  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
 from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402
+from disagg.worker.local_process import free_port  # noqa: E402
 
-
-def _load_operator_fixtures() -> Any:
-    """wait_for, CR and EXAMPLES from the operator tests' conftest (loaded by path: `conftest` is ambiguous)."""
-    found = importlib.util.spec_from_file_location("operator_tests_conftest", OPERATOR_TESTS / "conftest.py")
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    return module
-
-
-fx = _load_operator_fixtures()
-CR = fx.CR  # (group, version, plural)
 DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
 RELEASE_NS = "disagg-system"
 CHILD_KINDS = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
@@ -142,12 +132,6 @@ def operator_command(docs: list[dict], pod_index: int) -> list[str]:
             else var["value"]
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
     return [sys.executable, "-m", "disagg.worker.cli", *entrypoint[1:], *args]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def served_namespaces(command: list[str]) -> list[str]:
@@ -249,12 +233,12 @@ def scale_up_and_down(d: Driver, ns: str, name: str, pods: WorkerPods) -> None:
     the least-loaded pod with pod-deletion-cost (lists pods, scrapes them, patches one)."""
     pods.add("prefill")
     busy = [pods.add("decode", kv_cache_usage=0.95, running=4) for _ in range(2)]
-    fx.wait_for(lambda: d.replicas(ns, name, "decode") == 3, 20, "decode scaled up to 3")
+    wait_for(lambda: d.replicas(ns, name, "decode") == 3, 20, "decode scaled up to 3")
     idle = pods.add("decode")  # the ReplicaSet's third pod: mean usage 63 % keeps 3 (ceil(3 x 63/80))
     for pod in busy:
         pods.workers[pod].set(kv_cache_usage=0.1, running=4)
-    assert fx.wait_for(lambda: d.deletion_cost_marked(ns), 20, "a pod marked for deletion") == [idle]
-    fx.wait_for(lambda: d.replicas(ns, name, "decode") == 2, 10, "decode scaled down to 2")
+    assert wait_for(lambda: d.deletion_cost_marked(ns), 20, "a pod marked for deletion") == [idle]
+    wait_for(lambda: d.replicas(ns, name, "decode") == 2, 10, "decode scaled down to 2")
     pods.remove(idle)  # what the ReplicaSet removes first
 
 
@@ -262,9 +246,9 @@ def drive(d: Driver, ns: str, example: dict[str, Any]) -> None:
     """Create, readiness, autoscaling, update, an invalid spec (an Event), deletion (finalizers removed)."""
     name = example["metadata"]["name"]
     d.send("POST", d.cr_path(ns), example)
-    fx.wait_for(lambda: len(d.deployments(ns)) == 3, 20, "the three Deployments")
+    wait_for(lambda: len(d.deployments(ns)) == 3, 20, "the three Deployments")
     d.play_deployment_controller(ns)
-    fx.wait_for(lambda: d.condition(ns, name, "Ready") == "True", 10, "Ready=True")
+    wait_for(lambda: d.condition(ns, name, "Ready") == "True", 10, "Ready=True")
     pods = WorkerPods(d, ns, name)
     try:
         scale_up_and_down(d, ns, name, pods)
@@ -276,24 +260,24 @@ def drive(d: Driver, ns: str, example: dict[str, Any]) -> None:
 def update_upgrade_break_delete(d: Driver, ns: str, name: str, example: dict[str, Any]) -> None:
     """A new image, children from an older operator version, an invalid spec, deletion."""
     d.send("PATCH", d.cr_path(ns, name), {"spec": {"image": "example/disagg-worker:0.2.0"}}, merge=True)
-    fx.wait_for(lambda: all(dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith("0.2.0")
-                            for dep in d.deployments(ns)), 10, "the new image rolled out")
+    wait_for(lambda: all(dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith("0.2.0")
+                         for dep in d.deployments(ns)), 10, "the new image rolled out")
     # children written by an older operator version (another last-applied state): an upgrade patches every kind
     old = json.dumps({"metadata": {"labels": {"older-operator": "true"}}})
     for key, obj in d.children(ns):
         d.send("PATCH", d.object_path(key, ns, obj["metadata"]["name"]),
                {"metadata": {"annotations": {ANNOTATION_LAST_APPLIED: old}}}, merge=True)
-    fx.wait_for(lambda: all(obj["metadata"]["annotations"][ANNOTATION_LAST_APPLIED] != old
-                            for _, obj in d.children(ns)), 10, "every child patched to the current manifests")
+    wait_for(lambda: all(obj["metadata"]["annotations"][ANNOTATION_LAST_APPLIED] != old
+                         for _, obj in d.children(ns)), 10, "every child patched to the current manifests")
     broken = copy.deepcopy(example)
     broken["metadata"]["name"] = "broken"
     broken["spec"]["autoscaling"]["decode"] = {"minReplicas": 6, "maxReplicas": 2}
     d.send("POST", d.cr_path(ns), broken)
-    fx.wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in d.store.list_objects("", "v1", "events", ns)),
-                10, "an InvalidSpec Event")
+    wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in d.store.list_objects("", "v1", "events", ns)),
+             10, "an InvalidSpec Event")
     for gone in (name, "broken"):
         d.send("DELETE", d.cr_path(ns, gone))
-    fx.wait_for(lambda: not d.store.list_objects(*CR, ns), 10, "finalizers removed")
+    wait_for(lambda: not d.store.list_objects(*CR, ns), 10, "finalizers removed")
 
 
 def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, example: dict[str, Any],
@@ -319,7 +303,7 @@ def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, exampl
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             drive(d, (serving or ["default"])[0], example)
-            probe = fx.wait_for(lambda: _get(f"http://127.0.0.1:{liveness_port}/healthz"), 10, "kopf's liveness")
+            probe = wait_for(lambda: _get(f"http://127.0.0.1:{liveness_port}/healthz"), 10, "kopf's liveness")
             assert probe == 200
             # the chart's metrics.* values: the operator's own metrics saw both decisions
             decisions = {(smp.labels["role"], smp.labels["reason"])
@@ -362,7 +346,7 @@ def test_rbac_allows_every_operator_request_and_grants_nothing_unused(scenario, 
     docs = template(CHART, tmp_path / "helm", *SCENARIOS[scenario], "--set-json", "resyncSeconds=0.3",
                     "--set", f"livenessPort={port}", "--set", "metrics.enabled=true",
                     "--set", f"metrics.port={metrics_port}", namespace=RELEASE_NS)
-    example = autoscaling_example(yaml.safe_load((fx.EXAMPLES / "llama3-8b-gpu.yaml").read_text()))
+    example = autoscaling_example(yaml.safe_load((EXAMPLES / "llama3-8b-gpu.yaml").read_text()))
     requests = run_operator(docs, port, metrics_port, example, tmp_path)
     api_requests = [r for r in requests if r.verb and r.resource]
     grants = granted(docs)

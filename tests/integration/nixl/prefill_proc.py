@@ -14,6 +14,15 @@ import time
 from disagg.worker import LLM, SamplingParams
 
 
+def idle_step(engine) -> int:
+    """One engine step, then a short sleep; returns the KV leases that expired in it (its stats are cleared)."""
+    engine.step()
+    expired = sum(s.get("num_kv_expired_reqs", 0) for s in engine.stats.kv_connector_stats)
+    engine.stats.kv_connector_stats.clear()
+    time.sleep(0.001)
+    return expired
+
+
 def main() -> None:
     model, lease, port = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     ktc = {"kv_connector": "NixlConnector",
@@ -47,18 +56,12 @@ def main() -> None:
                                   "tokens": [done[i].outputs[0].token_ids for i in ids]}), flush=True)
             elif cmd.get("cmd") == "wait":
                 while engine.has_pending_kv_work():
-                    engine.step()
-                    expired += sum(s.get("num_kv_expired_reqs", 0) for s in engine.stats.kv_connector_stats)
-                    engine.stats.kv_connector_stats.clear()
-                    time.sleep(0.001)
+                    expired += idle_step(engine)
                 print(json.dumps({"free": engine.kv_cache_manager.num_free_blocks, "num_blocks": engine.kv_cache_manager.pool.num_blocks,
                                   "expired": expired,
                                   "pending_sends": engine.scheduler_connector.get_pending_counts()["pending_sends"]}),
                       flush=True)
-        engine.step()
-        expired += sum(s.get("num_kv_expired_reqs", 0) for s in engine.stats.kv_connector_stats)
-        engine.stats.kv_connector_stats.clear()
-        time.sleep(0.001)
+        expired += idle_step(engine)
     llm.shutdown()
 
 

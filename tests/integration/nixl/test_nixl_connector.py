@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from disagg.worker import LLM, SamplingParams  # noqa: E402
+from disagg.worker.local_process import free_port  # noqa: E402
 
 PROMPTS = [
     "The history of the city begins with a small harbour and a market by the river",
@@ -23,12 +23,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROC = Path(__file__).with_name("prefill_proc.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prefill:

@@ -41,7 +41,6 @@ class RecordedRequest:
     path: str  # /apis/apps/v1/namespaces/ns/deployments/x
     query: dict[str, str]
     body: Any  # parsed JSON (or YAML) for writes, else None
-    content_type: str
     verb: str | None  # Kubernetes RBAC verb: get list watch create patch update delete
     group: str | None
     resource: str | None  # plural, with "/status" for the subresource
@@ -229,8 +228,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 verb = "watch" if request.params.get("watch") in ("true", "1") else \
                     "get" if request.name else "list"
         body = self._body(request) if method in WRITE_METHODS else None
-        return RecordedRequest(method, request.url.path, dict(request.params), body,
-                               request.headers.get("Content-Type", ""), verb, group, resource)
+        return RecordedRequest(method, request.url.path, dict(request.params), body, verb, group, resource)
 
     @staticmethod
     def _body(request: kmock.Request) -> Any:
@@ -249,7 +247,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if method == "GET" and name is None:
             return aiohttp.web.json_response(self._list(key, ns, request.params.get("labelSelector")))
         if method == "GET":
-            return aiohttp.web.json_response(self._fetch(key, ns, name, sub))
+            return aiohttp.web.json_response(self._fetch(key, ns, name))
         if method == "POST" and name is None:
             return aiohttp.web.json_response(await self._create(key, ns, self._body(request)), status=201)
         if method == "PATCH" and name is not None:
@@ -264,8 +262,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._rv += 1
         return str(self._rv)
 
-    async def _emit(self, key: ResKey, etype: str, obj: dict[str, Any]) -> None:
-        # called with _guard held by the caller's block having ended; notify watchers on the loop
+    async def _emit(self) -> None:
+        # called after the caller's _guard block (which recorded the event) has ended; wake the watchers on the loop
         if self._changed is None:
             self._changed = asyncio.Condition()
         async with self._changed:
@@ -275,7 +273,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._events.append((int(obj["metadata"]["resourceVersion"]), key, {"type": etype,
                                                                              "object": copy.deepcopy(obj)}))
 
-    def _fetch(self, key: ResKey, ns: str | None, name: str, sub: str | None = None) -> dict[str, Any]:
+    def _fetch(self, key: ResKey, ns: str | None, name: str) -> dict[str, Any]:
         with self._guard:
             obj = self._store.get((*key, ns, name))
             if obj is None:
@@ -316,7 +314,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._store[okey] = obj
             self._record_event(key, "ADDED", obj)
             out = copy.deepcopy(obj)
-        await self._emit(key, "ADDED", out)
+        await self._emit()
         return out
 
     async def _patch(self, key: ResKey, ns: str | None, name: str, sub: str | None, ctype: str,
@@ -362,7 +360,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 etype = "DELETED"
             self._record_event(key, etype, new)
             out = copy.deepcopy(new)
-        await self._emit(key, etype, out)
+        await self._emit()
         return out
 
     async def _delete(self, key: ResKey, ns: str | None, name: str) -> dict[str, Any]:
@@ -387,7 +385,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 etype = "DELETED"
             self._record_event(key, etype, obj)
             out = copy.deepcopy(obj)
-        await self._emit(key, etype, out)
+        await self._emit()
         return out
 
     # ------------------------------------------------------------ watch

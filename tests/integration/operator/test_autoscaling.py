@@ -14,8 +14,8 @@ import pytest
 from fake_worker import FakeWorker
 from test_operator import NAME, NS, children_created, cr, create, deployment, play_controller
 
-from conftest import wait_for
 from emulator import EmulatorThread
+from waiting import wait_for
 
 from disagg.operator import autoscaler as sc
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from conftest import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, quiesce, wait_for
 from emulator import EmulatorThread
+from operator_harness import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, quiesce
+from waiting import wait_for
 
 from disagg.operator import manifests as m
 
@@ -279,13 +280,12 @@ def test_request_log_gives_the_operators_rbac(cluster, operator, example):
 
 def test_disagg_operator_command_runs_and_stops_on_sigint(cluster, example):
     import signal
-    import socket
     import sys
 
     import httpx
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        metrics_port = sock.getsockname()[1]
+
+    from disagg.worker.local_process import free_port
+    metrics_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "disagg.worker.cli", "operator", "--namespace", NS,
                              "--resync-seconds", str(RESYNC_SECONDS), "--log-level", "WARNING",
                              "--metrics-port", str(metrics_port)],

@@ -2,34 +2,22 @@
 deadline, SIGTERM at the end with the exit status checked)."""
 from __future__ import annotations
 
-import importlib.util
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from serving_helpers import NIXL_MISSING, nixl_available
 
 from disagg.worker.local_process import LocalProcess, ProcessSpec, free_port, is_ready
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
                 "--served-model-name", "tiny-llama"]
-
-
-def nixl_available() -> bool:
-    try:
-        return importlib.util.find_spec("disagg.worker.kv_transfer.nixl") is not None and \
-            importlib.util.find_spec("nixl") is not None
-    except ImportError:
-        return False
-
-
 CONNECTORS = [
     pytest.param("SharedStorageConnector", id="shared-storage"),
-    pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(
-        not nixl_available(), reason="disagg.worker.kv_transfer.nixl or the nixl package does not import yet")),
+    pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)),
 ]
 
 
@@ -83,8 +71,7 @@ class Fleet:
 
     def stop(self, timeout_s: float = 30.0) -> dict[str, int]:
         for p in self.procs.values():
-            if p.exited() is None:
-                p.popen.send_signal(signal.SIGTERM)
+            p.terminate()
         codes = {}
         for name, p in self.procs.items():
             try:

@@ -9,18 +9,12 @@ import time
 
 import httpx
 import pytest
+from serving_helpers import metric
 
 pytestmark = pytest.mark.slow
 
 LONG_PROMPT = ("The history of the city begins with a small harbour and a market where fishermen sold the morning "
                "catch to merchants from the hills")
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
 
 
 def complete(url: str, body: dict, **kw) -> httpx.Response:

@@ -17,6 +17,7 @@ class RecordingConnector(KVConnectorBase):
         super().__init__(config, role, kv_cache_spec)
         self.loads: dict[str, tuple[list[int], bool]] = {}
         self.in_flight: dict[str, list] = {}  # worker side: req_id -> [steps left, blocks, fail]
+        self.errors: set[int] = set()  # worker side: blocks of the loads that failed in the last get_finished
 
     # scheduler role
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -67,7 +68,7 @@ class RecordingConnector(KVConnectorBase):
 
     def get_block_ids_with_load_errors(self):
         CALLS.append(("get_block_ids_with_load_errors",))
-        return getattr(self, "errors", set())
+        return self.errors
 
     def get_kv_connector_stats(self):
         CALLS.append(("get_kv_connector_stats",))

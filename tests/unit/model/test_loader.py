@@ -6,11 +6,6 @@ from disagg.worker.forward_context import ForwardContext, set_forward_context
 from disagg.worker.model import load_model, write_tiny_checkpoint
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
 def _edit_weights(path, edit):
     file = path / "model.safetensors"
     weights = load_file(file)
@@ -23,8 +18,8 @@ def _logits(model, ids):
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
 
 
-def test_loads_every_tensor_and_is_ready_for_inference(tiny_dir):
-    model, config = load_model(tiny_dir)
+def test_loads_every_tensor_and_is_ready_for_inference(tiny_model_dir):
+    model, config = load_model(tiny_model_dir)
     params = dict(model.named_parameters())
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params.values())
     assert not any(p.requires_grad for p in params.values())
@@ -64,12 +59,12 @@ def test_missing_config_or_weights_is_a_clear_error(tmp_path):
         load_model(path)
 
 
-def test_sharded_checkpoint_loads_the_same_weights(tmp_path, tiny_dir):
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path, tiny_model_dir):
     sharded = write_tiny_checkpoint(tmp_path / "sharded", sharded=True)
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) == 2
     a, _ = load_model(sharded)
-    b, _ = load_model(tiny_dir)
+    b, _ = load_model(tiny_model_dir)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
 
@@ -80,9 +75,9 @@ def test_tied_embeddings_share_one_matrix(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_bfloat16_loads_and_runs_close_to_float32(tiny_dir):
-    model16, _ = load_model(tiny_dir, dtype="bfloat16")
-    model32, _ = load_model(tiny_dir)
+def test_bfloat16_loads_and_runs_close_to_float32(tiny_model_dir):
+    model16, _ = load_model(tiny_model_dir, dtype="bfloat16")
+    model32, _ = load_model(tiny_model_dir)
     assert model16.model.embed_tokens.weight.dtype == torch.bfloat16
     got, want = _logits(model16, [0, 40, 41, 42]), _logits(model32, [0, 40, 41, 42])
     assert got.dtype == torch.float32
@@ -90,8 +85,8 @@ def test_bfloat16_loads_and_runs_close_to_float32(tiny_dir):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs_through_the_paged_cache(tiny_dir, paged_kv, dtype):
-    model, config = load_model(tiny_dir, dtype=dtype)
+def test_half_precision_runs_through_the_paged_cache(tiny_model_dir, paged_kv, dtype):
+    model, config = load_model(tiny_model_dir, dtype=dtype)
     kv = paged_kv(config, dtype=getattr(torch, dtype))
     ids = [0, 40, 41, 42, 43, 44]
     (full,) = kv.step(model, [("a", ids)])

@@ -1,15 +1,16 @@
 import json
+from pathlib import Path
 
 import pytest
 
-from disagg.worker.model import IncrementalDetokenizer, Tokenizer, write_tiny_checkpoint
+from disagg.worker.model import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Hello, world!", "The robot counted the boats.", "Café naïve 日本語 🙂🚀 done", "  spaces\n\tand tabs  "]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+def tiny_dir(tiny_model_dir):
+    return Path(tiny_model_dir)  # the session's default checkpoint, only read here
 
 
 @pytest.fixture(scope="module")
