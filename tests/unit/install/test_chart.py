@@ -74,7 +74,7 @@ def parse_operator_args(args: list[str]) -> argparse.Namespace:
 def test_chart_crd_is_the_generated_crd():
     chart_copy = CHART / "crds" / "disaggregatedinferences.disagg.dev.yaml"
     assert chart_copy.read_bytes() == (ROOT / "crds" / "disaggregatedinferences.disagg.dev.yaml").read_bytes(), \
-        "charts/disagg-operator/crds/ drifted from crds/: copy the regenerated CRD (`disagg crd`) into the chart"
+        "charts/disagg-operator/crds/ drifted from crds/: run `disagg crd` (it writes both)"
 
 
 def test_peering_crds_are_the_resources_kopf_uses():
