@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from disagg.worker.kv_cache_memory import allocate_kv_cache
+from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec
 from disagg.worker.kv_transfer.nixl_transport import NixlTransport, coalesce
 from disagg.worker.kv_transfer.side_channel import SideChannelServer, fetch_engine_metadata

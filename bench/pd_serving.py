@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-from disagg.worker.local_process import free_port, is_ready
+from disagg.worker.local.process import free_port, is_ready
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORDS = "the history of the city begins with a small harbour and a market where fishermen sold fish".split()

@@ -6,10 +6,10 @@ import sys
 
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("disagg.worker.generate_cli", "generate text offline with the engine"),
+    "generate": ("disagg.worker.engine.generate_cli", "generate text offline with the engine"),
     "worker": ("disagg.worker.server.cli", "run an OpenAI-compatible worker (prefill, decode or both)"),
     "router": ("disagg.worker.router.cli", "run the prefill/decode router"),
-    "up": ("disagg.worker.launcher", "run a DisaggregatedInference spec as local processes"),
+    "up": ("disagg.worker.local.launcher", "run a DisaggregatedInference spec as local processes"),
     "operator": ("disagg.operator.cli", "run the Kubernetes operator"),
     "crd": ("disagg.operator.crd", "write the CRD YAML generated from the spec models"),
     "validate": ("disagg.operator.validate", "validate a DisaggregatedInference file offline"),

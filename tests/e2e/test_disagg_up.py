@@ -18,7 +18,7 @@ import yaml
 import waiting
 from serving_helpers import NIXL_MISSING, metric, nixl_available
 
-from disagg.worker.local_process import LocalProcess, ProcessSpec, free_port, is_ready
+from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from serving_helpers import metric, nixl_available
 
-from disagg.worker.local_process import free_port
+from disagg.worker.local.process import free_port
 from test_disagg_up import CLI, REPO, alive, children_of, wait_for
 
 pytestmark = pytest.mark.slow
@@ -150,7 +150,7 @@ def test_load_adds_a_decode_worker_and_idle_retires_it_without_failing_a_request
 
 
 def test_spec_file_written_by_this_test_is_valid_for_the_launcher(tmp_path):
-    from disagg.worker.launcher import load_spec
+    from disagg.worker.local.launcher import load_spec
 
     path = Path(tmp_path / "spec.yaml")
     path.write_text(yaml.safe_dump(SPEC))

@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Any
 
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -15,7 +15,7 @@ from typing import Any
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.kv_transfer.base import KVTransferParamsError
-from disagg.worker.outputs import (
+from disagg.worker.engine.outputs import (
     CachedRequestData,
     KVConnectorOutput,
     ModelRunnerOutput,

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the scheduler side never imports torch
     import torch
 
     from disagg.worker.engine.request import Request
-    from disagg.worker.outputs import SchedulerOutput
+    from disagg.worker.engine.outputs import SchedulerOutput
 
 
 class KVConnectorRole(enum.Enum):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from disagg.worker.engine.request import Request
-    from disagg.worker.outputs import SchedulerOutput
+    from disagg.worker.engine.outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

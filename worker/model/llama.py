@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.worker.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from disagg.worker.model.config import ModelConfig, RopeScaling
 
 

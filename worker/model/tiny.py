@@ -6,6 +6,7 @@ Weights are seeded; a byte-level BPE tokenizer is trained in-process on a built-
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -162,3 +163,17 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor], sharded: bool) 
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def default_model_dir() -> Path:
+    """The embedded default: a tiny random-weight checkpoint, generated once into a cache dir."""
+    cache = Path.home() / ".cache" / "disagg" / "tiny-llama"
+    if not (cache / "config.json").exists():
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.exists() else None))
+        write_tiny_checkpoint(tmp)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(cache)
+        except OSError:  # another process won the race
+            pass
+    return cache

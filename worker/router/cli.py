@@ -50,7 +50,7 @@ class _Server(uvicorn.Server):
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
-    from disagg.worker.metrics import RouterMetrics
+    from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
     from disagg.worker.router.endpoints import EndpointPool
     from disagg.worker.router.proxy import RouterState, build_app, probe_forever

@@ -19,7 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from disagg.worker.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
 from disagg.worker.server.protocol import error_body, sse
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from disagg.worker.metrics import CONTENT_TYPE_LATEST
+from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, completion_response,

@@ -81,7 +81,7 @@ def kv_transfer_config(args: argparse.Namespace) -> Any:
 
 
 def engine_config(args: argparse.Namespace, model: str) -> Any:
-    from disagg.worker.config import EngineConfig
+    from disagg.worker.engine.config import EngineConfig
 
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
@@ -95,9 +95,9 @@ def engine_config(args: argparse.Namespace, model: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from disagg.worker.generate_cli import default_model_dir
-    from disagg.worker.llm_engine import LLMEngine
-    from disagg.worker.metrics import WorkerMetrics
+    from disagg.worker.model.tiny import default_model_dir
+    from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.server.metrics import WorkerMetrics
     from disagg.worker.server.app import ServerState, build_app
     from disagg.worker.server.engine_loop import EngineLoop
 

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from disagg.worker.metrics import EngineSnapshot, WorkerMetrics
-from disagg.worker.request_output import RequestOutput
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.server.metrics import EngineSnapshot, WorkerMetrics
+from disagg.worker.engine.request_output import RequestOutput
+from disagg.worker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

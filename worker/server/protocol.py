@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):

@@ -44,7 +44,7 @@ from disagg.operator import autoscaler as sc  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
 from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402
-from disagg.worker.local_process import free_port  # noqa: E402
+from disagg.worker.local.process import free_port  # noqa: E402
 
 DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
 RELEASE_NS = "disagg-system"

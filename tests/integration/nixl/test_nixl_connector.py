@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from disagg.worker import LLM, SamplingParams  # noqa: E402
-from disagg.worker.local_process import free_port  # noqa: E402
+from disagg.worker.local.process import free_port  # noqa: E402
 
 PROMPTS = [
     "The history of the city begins with a small harbour and a market by the river",

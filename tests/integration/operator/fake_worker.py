@@ -1,4 +1,4 @@
-"""Fake workers for autoscaling tests: each serves the real worker's metrics (disagg.worker.metrics.WorkerMetrics:
+"""Fake workers for autoscaling tests: each serves the real worker's metrics (disagg.worker.server.metrics.WorkerMetrics:
 vLLM/disagg names, model_name and role labels) at /metrics on 127.0.0.1:<free port>, values set by the test.
 Each stops on stop(), or by itself after `lifetime_s` so a failed test leaves no server behind."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from disagg.worker.metrics import WorkerMetrics
+from disagg.worker.server.metrics import WorkerMetrics
 
 
 class FakeWorker:

@@ -284,7 +284,7 @@ def test_disagg_operator_command_runs_and_stops_on_sigint(cluster, example):
 
     import httpx
 
-    from disagg.worker.local_process import free_port
+    from disagg.worker.local.process import free_port
     metrics_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "disagg.worker.cli", "operator", "--namespace", NS,
                              "--resync-seconds", str(RESYNC_SECONDS), "--log-level", "WARNING",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from serving_helpers import NIXL_MISSING, nixl_available
 
-from disagg.worker.local_process import LocalProcess, ProcessSpec, free_port, is_ready
+from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",

@@ -13,11 +13,11 @@ import pytest
 
 from disagg.operator import metrics_source as ms
 from disagg.operator.spec import parse_spec
-from disagg.worker.launcher import initial_replicas, plan
-from disagg.worker.local_process import LocalProcess, ProcessSpec
-from disagg.worker.local_scaling import (DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet,
+from disagg.worker.local.launcher import initial_replicas, plan
+from disagg.worker.local.process import LocalProcess, ProcessSpec
+from disagg.worker.local.scaling import (DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet,
                                          choose_victims, load_of, scaling_line)
-from disagg.worker.metrics import RouterMetrics
+from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.discovery import FileDiscovery, parse_endpoints, write_endpoints
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.proxy import RouterState, build_app

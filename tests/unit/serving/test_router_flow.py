@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from disagg.worker.metrics import RouterMetrics
+from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.proxy import RouterState, build_app
 

@@ -7,8 +7,8 @@ import pytest
 
 from disagg.operator.metrics_source import WAITING_PROMPT_TOKENS
 from disagg.operator.spec import parse_spec
-from disagg.worker.launcher import curl_example, plan
-from disagg.worker.metrics import WorkerMetrics
+from disagg.worker.local.launcher import curl_example, plan
+from disagg.worker.server.metrics import WorkerMetrics
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.router.discovery import pod_urls
 from disagg.worker.router.endpoints import EndpointPool

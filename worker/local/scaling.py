@@ -21,7 +21,7 @@ import httpx
 from disagg.operator import metrics_source as ms
 from disagg.operator.autoscale import Decision, ScalingHistory, decide
 from disagg.operator.autoscale_inputs import ROLES, policy_from_spec
-from disagg.worker.local_process import LocalProcess, ProcessSpec, is_ready
+from disagg.worker.local.process import LocalProcess, ProcessSpec, is_ready
 from disagg.worker.router.discovery import write_endpoints
 
 logger = logging.getLogger("disagg.launcher")

@@ -9,18 +9,18 @@ from typing import Any
 
 import torch
 
-from disagg.worker.config import EngineConfig
+from disagg.worker.engine.config import EngineConfig
 from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
-from disagg.worker.kv_cache_memory import allocate_kv_cache
+from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
 from disagg.worker.kv_transfer.factory import create_connector
 from disagg.worker.model import Tokenizer, load_model
-from disagg.worker.model_runner import ModelRunner
-from disagg.worker.outputs import SchedulerOutput
-from disagg.worker.request_output import CompletionOutput, OutputProcessor, RequestOutput
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.runner.model_runner import ModelRunner
+from disagg.worker.engine.outputs import SchedulerOutput
+from disagg.worker.engine.request_output import CompletionOutput, OutputProcessor, RequestOutput
+from disagg.worker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

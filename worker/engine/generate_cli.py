@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
-from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,25 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
-def default_model_dir() -> Path:
-    """The embedded default: a tiny random-weight checkpoint, generated once into a cache dir."""
-    from disagg.worker.model import write_tiny_checkpoint
-
-    cache = Path.home() / ".cache" / "disagg" / "tiny-llama"
-    if not (cache / "config.json").exists():
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.exists() else None))
-        write_tiny_checkpoint(tmp)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.rename(cache)
-        except OSError:  # another process won the race
-            pass
-    return cache
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from disagg.worker import LLM, SamplingParams
+
+    from disagg.worker.model.tiny import default_model_dir
 
     model = args.model or str(default_model_dir())
     try:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker and of the router, each on its own CollectorRegistry (no global state).
+"""Prometheus metrics of a worker, on its own CollectorRegistry (no global state).
 
 Names, types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and routers
 work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
@@ -132,41 +132,6 @@ class WorkerMetrics:
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
         self.e2e.observe(finished - arrival)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class RouterMetrics:
-    """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
-
-    def __init__(self, model_name: str = ""):
-        self.registry = CollectorRegistry()
-        labels = (*LABELS, "hop")
-        self.model_name = model_name  # "" until the router learns it from a worker
-        self.hop_requests = Counter("disagg:router_hop_requests", "Requests sent to a worker, per hop.", labels,
-                                    registry=self.registry)
-        self.hop_errors = Counter("disagg:router_hop_errors", "Failed hops (connection error, 5xx, broken "
-                                  "stream), per hop.", labels, registry=self.registry)
-        self.hop_latency = Histogram("disagg:router_hop_latency_seconds", "Hop latency: prefill until the "
-                                     "response, decode until the last byte.", labels, buckets=E2E_BUCKETS,
-                                     registry=self.registry)
-        self.requests = Counter("disagg:router_requests", "Client requests, by outcome.",
-                                (*LABELS, "outcome"), registry=self.registry)
-        self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
-                              "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
-
-    def hop(self, hop: str, latency_s: float, error: bool) -> None:
-        self.hop_requests.labels(self.model_name, "router", hop).inc()
-        self.hop_latency.labels(self.model_name, "router", hop).observe(latency_s)
-        if error:
-            self.hop_errors.labels(self.model_name, "router", hop).inc()
-
-    def request(self, outcome: str) -> None:
-        self.requests.labels(self.model_name, "router", outcome).inc()
-
-    def first_byte(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name, "router").observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

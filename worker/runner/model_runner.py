@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from disagg.worker.kv_transfer.base import KVConnectorBase
 from disagg.worker.kv_transfer.lifecycle import kv_connector_step
-from disagg.worker.outputs import ModelRunnerOutput, SchedulerOutput
-from disagg.worker.sampler import sample
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from disagg.worker.runner.sampler import sample
+from disagg.worker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from disagg.worker.local_process import (
+from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
 )
 
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def resolve_model_dir(spec: Any) -> str:
     source = spec.model.source
     if source.kind == "generated":
-        from disagg.worker.generate_cli import default_model_dir
+        from disagg.worker.model.tiny import default_model_dir
 
         return str(default_model_dir())
     if source.kind == "path":
@@ -148,7 +148,7 @@ def load_spec(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
-    from disagg.worker.local_scaling import ACTIVE, LocalAutoscaler, WorkerSet
+    from disagg.worker.local.scaling import ACTIVE, LocalAutoscaler, WorkerSet
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 def sample(

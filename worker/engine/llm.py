@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from disagg.worker.config import EngineConfig
+from disagg.worker.engine.config import EngineConfig
 from disagg.worker.kv_transfer.base import KVTransferConfig
-from disagg.worker.llm_engine import LLMEngine
-from disagg.worker.request_output import RequestOutput
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.llm_engine import LLMEngine
+from disagg.worker.engine.request_output import RequestOutput
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 class LLM:

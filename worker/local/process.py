@@ -1,4 +1,4 @@
-"""Local child processes for `disagg up` (launcher.py) and the local autoscaler (local_scaling.py): what to run
+"""Local child processes for `disagg up` (launcher.py) and the local autoscaler (scaling.py): what to run
 (ProcessSpec), running it in its own session with its log in a file (LocalProcess), waiting for readiness, the
 ordered shutdown, and the launcher's own /health, /ready and /status server."""
 from __future__ import annotations
@@ -60,7 +60,7 @@ class LocalProcess:
         self.log_path = log_dir / f"{spec.name}.log"
         self.popen: subprocess.Popen | None = None
         self.started_at = 0.0
-        self.state = "starting"  # starting | serving | leaving | draining (see local_scaling.WorkerSet)
+        self.state = "starting"  # starting | serving | leaving | draining (see scaling.WorkerSet)
         self.state_since = 0.0
 
     def start(self) -> None:

@@ -1,0 +1,43 @@
+"""Prometheus metrics of the router, on its own CollectorRegistry (no global state): per hop (prefill,
+decode) requests, errors and latency, and client requests by outcome. Labels as the workers' metrics."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layer)
+
+from disagg.worker.server.metrics import E2E_BUCKETS, LABELS, TTFT_BUCKETS
+
+
+class RouterMetrics:
+    """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
+
+    def __init__(self, model_name: str = ""):
+        self.registry = CollectorRegistry()
+        labels = (*LABELS, "hop")
+        self.model_name = model_name  # "" until the router learns it from a worker
+        self.hop_requests = Counter("disagg:router_hop_requests", "Requests sent to a worker, per hop.", labels,
+                                    registry=self.registry)
+        self.hop_errors = Counter("disagg:router_hop_errors", "Failed hops (connection error, 5xx, broken "
+                                  "stream), per hop.", labels, registry=self.registry)
+        self.hop_latency = Histogram("disagg:router_hop_latency_seconds", "Hop latency: prefill until the "
+                                     "response, decode until the last byte.", labels, buckets=E2E_BUCKETS,
+                                     registry=self.registry)
+        self.requests = Counter("disagg:router_requests", "Client requests, by outcome.",
+                                (*LABELS, "outcome"), registry=self.registry)
+        self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
+                              "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
+
+    def hop(self, hop: str, latency_s: float, error: bool) -> None:
+        self.hop_requests.labels(self.model_name, "router", hop).inc()
+        self.hop_latency.labels(self.model_name, "router", hop).observe(latency_s)
+        if error:
+            self.hop_errors.labels(self.model_name, "router", hop).inc()
+
+    def request(self, outcome: str) -> None:
+        self.requests.labels(self.model_name, "router", outcome).inc()
+
+    def first_byte(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name, "router").observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
