@@ -32,7 +32,8 @@ RUN apt-get update \
 RUN pip install "torch==${TORCH_VERSION}" \
  && pip install "nixl==${NIXL_VERSION}"
 COPY --from=wheel /wheels/ /wheels/
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# the s3 extra: s3:// model sources in the fetch-model init container
+RUN pip install "$(ls /wheels/*.whl)[s3]" && rm -rf /wheels
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin disagg \
  && mkdir -p /var/cache/huggingface /models \
  && chown disagg:disagg /var/cache/huggingface /models

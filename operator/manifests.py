@@ -7,7 +7,6 @@ Children of a resource named N in namespace NS:
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -15,6 +14,9 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from disagg.operator import spec as s
+from disagg.operator.worker_command import (
+    Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
+)
 
 Role = Literal["prefill", "decode"]
 Component = Literal["prefill", "decode", "router"]
@@ -25,14 +27,14 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_REVISION = f"{s.GROUP}/revision"  # serving revision; the router pairs prefill and decode pods by it
 ANNOTATION_CONFIG_HASH = f"{s.GROUP}/config-hash"  # on pod templates: a change rolls the pods
-ANNOTATION_APPLIED_HASH = f"{s.GROUP}/applied-hash"  # on children: what the operator last wrote
 APP_NAME = "disagg"
 MANAGED_BY = "disagg-operator"
 
 HTTP_PORT = 8000
 SIDE_CHANNEL_PORT = 5600
 MODELS_DIR = "/models"  # PVC mount
-CACHE_DIR = "/cache"  # emptyDir: Hugging Face cache and downloads from a URI
+CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
+SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
 TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
 IPC_LOCK = "IPC_LOCK"  # RDMA only: lets UCX register (pin) memory beyond RLIMIT_MEMLOCK
 
@@ -85,34 +87,22 @@ def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- worker pods
-def model_argument(spec: s.DisaggregatedInferenceSpec) -> str:
+def model_dir(spec: s.DisaggregatedInferenceSpec) -> str:
+    """The checkpoint directory as the worker container sees it."""
     src = spec.model.source
     if src.pvc is not None:
         return str(PurePosixPath(MODELS_DIR) / src.pvc.path) if src.pvc.path else MODELS_DIR
-    value = src.hugging_face or src.path or src.uri
-    if value is None:
+    if src.downloaded:
+        return model_cache_dir(spec, CACHE_DIR)
+    if src.path is None:
         raise ValueError("spec.model.source: a generated checkpoint cannot run on Kubernetes")
-    return value
+    return src.path
 
 
-def worker_args(spec: s.DisaggregatedInferenceSpec, role: Role) -> list[str]:
-    r: s.RoleSpec = getattr(spec, role)
-    kv = spec.kv_transfer
-    args = ["worker", "--role", role, "--model", model_argument(spec), "--served-model-name", spec.model.served_name,
-            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--kv-connector", kv.connector, "--kv-lease-seconds", str(kv.lease_seconds),
-            "--kv-load-failure-policy", kv.load_failure_policy,
-            "--kv-side-channel-host", "$(POD_IP)", "--kv-side-channel-port", str(SIDE_CHANNEL_PORT),
-            # SIGTERM drain: running requests get this long, then unread KV waits up to the lease, all inside
-            # terminationGracePeriodSeconds (after the preStop wait), so a removed pod loses no work
-            "--drain-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
-    if spec.model.dtype != "auto":
-        args += ["--dtype", spec.model.dtype]
-    if spec.model.max_model_len is not None:
-        args += ["--max-model-len", str(spec.model.max_model_len)]
-    if r.tensor_parallel_size != 1:
-        args += ["--tensor-parallel-size", str(r.tensor_parallel_size)]
-    return args + list(r.extra_args)
+def worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
+    shared = SHARED_STORAGE_DIR if spec.kv_transfer.shared_storage is not None else None
+    return build_worker_command(spec, role, Placement("0.0.0.0", HTTP_PORT, "$(POD_IP)", SIDE_CHANNEL_PORT,
+                                                      model_dir(spec), shared))
 
 
 def _downward_env() -> list[dict[str, Any]]:
@@ -153,16 +143,44 @@ def _placement(p: s.PodPlacement) -> dict[str, Any]:
     return out
 
 
-def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, mounts, env) for the model source."""
-    src = spec.model.source
+def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, the worker's mounts) for the model source and the shared KV storage."""
+    src, volumes, mounts = spec.model.source, [], []
     if src.pvc is not None:
-        return ([{"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}],
-                [{"name": "model", "mountPath": MODELS_DIR, "readOnly": True}], [])
-    if src.hugging_face is not None or src.uri is not None:
-        return ([{"name": "cache", "emptyDir": {}}], [{"name": "cache", "mountPath": CACHE_DIR}],
-                [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}])
-    return [], [], []
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name,
+                                                                   "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    if src.downloaded:
+        claim = spec.model.cache_claim_name
+        volumes.append({"name": "cache", **({"persistentVolumeClaim": {"claimName": claim}} if claim
+                                            else {"emptyDir": {}})})
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR, "readOnly": True})
+    if spec.kv_transfer.shared_storage is not None:
+        volumes.append({"name": "kv-shared",
+                        "persistentVolumeClaim": {"claimName": spec.kv_transfer.shared_storage.claim_name}})
+        mounts.append({"name": "kv-shared", "mountPath": SHARED_STORAGE_DIR})
+    return volumes, mounts
+
+
+def _fetch_init_container(spec: s.DisaggregatedInferenceSpec, tmp_mount: dict[str, Any]) -> dict[str, Any]:
+    """Downloads the checkpoint into the cache volume before the worker starts (skipped when it is there)."""
+    src = spec.model.source
+    fetch = build_fetch_command(spec, model_dir(spec))
+    env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+           *({"name": k, "value": v} for k, v in fetch.env.items())]
+    container: dict[str, Any] = {"name": "fetch-model", "image": spec.image, "command": fetch.argv[:1],
+                                 "args": fetch.argv[1:], "env": env,
+                                 "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}, tmp_mount],
+                                 "securityContext": container_security_context()}
+    hf = src.hugging_face
+    if hf is not None and hf.token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": hf.token_secret,
+                                                                       "key": hf.token_secret_key}}})
+    if src.uri is not None and src.uri.credentials_secret:
+        container["envFrom"] = [{"secretRef": {"name": src.uri.credentials_secret}}]
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
 
 
 # ---------------------------------------------------------------- security
@@ -202,7 +220,8 @@ def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str,
 
 def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
     r: s.RoleSpec = getattr(spec, role)
-    volumes, mounts, env = _model_volumes(spec)
+    volumes, mounts = _model_volumes(spec)
+    command = worker_command(spec, role)
     tmp, tmp_mount = _tmp_volume()
     rdma = spec.kv_transfer.rdma
     devices = {"nvidia.com/gpu": r.resources.gpus}
@@ -214,11 +233,11 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
     container: dict[str, Any] = {
         "name": role,
         "image": spec.image,
-        "command": ["disagg"],
-        "args": worker_args(spec, role),
+        "command": command.argv[:1],
+        "args": command.argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"}],
-        "env": _downward_env() + env + _user_env(r.env),
+        "env": _downward_env() + [{"name": k, "value": v} for k, v in command.env.items()] + _user_env(r.env),
         "resources": _resources(r.resources, devices),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_mount, *mounts],
         # loading weights can take long: the startup probe holds liveness off until /health answers
@@ -233,6 +252,7 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
         container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),
+        **({"initContainers": [_fetch_init_container(spec, tmp_mount)]} if spec.model.source.downloaded else {}),
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": shm}, tmp, *volumes],
         "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
@@ -319,21 +339,10 @@ def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- everything
-def with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
-    """Stamp what the operator writes, so a later pass compares hashes instead of server-defaulted fields.
-    Deployment replicas are left out: they are compared on their own (someone may scale by hand)."""
-    out = copy.deepcopy(obj)
-    basis = copy.deepcopy(out)
-    basis.get("spec", {}).pop("replicas", None)
-    out["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = stable_hash(basis)
-    return out
-
-
 def desired_children(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
     """Order matters: RBAC and Services before the Deployments that use them."""
-    children = [*build_router_rbac(owner),
-                build_headless_service(owner, "prefill"), build_headless_service(owner, "decode"),
-                build_router_service(owner, spec),
-                build_worker_deployment(owner, spec, "prefill"), build_worker_deployment(owner, spec, "decode"),
-                build_router_deployment(owner, spec)]
-    return [with_applied_hash(c) for c in children]
+    return [*build_router_rbac(owner),
+            build_headless_service(owner, "prefill"), build_headless_service(owner, "decode"),
+            build_router_service(owner, spec),
+            build_worker_deployment(owner, spec, "prefill"), build_worker_deployment(owner, spec, "decode"),
+            build_router_deployment(owner, spec)]

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from disagg.worker.kv_transfer.connectors import CONNECTORS, connector_problem, declaration_of
+
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -21,8 +23,6 @@ PLURAL = "disaggregatedinferences"
 SINGULAR = "disaggregatedinference"
 SHORT_NAMES = ["dinf"]
 
-# KV connectors the worker knows by name; anything else must be an out-of-tree "package.module:Class"
-KNOWN_CONNECTORS = ("NixlConnector", "SharedStorageConnector")
 # children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
 MAX_NAME_LENGTH = 55
 # a pod's grace period must leave at least this for running requests after the preStop wait and the KV lease
@@ -49,17 +49,41 @@ class PvcSource(_Model):
     path: str = Field("", max_length=1024, description="Checkpoint directory inside the volume; empty = volume root.")
 
 
+# URI schemes `disagg fetch-model` downloads (worker/model/fetch.py); others are rejected by name
+URI_SCHEMES = ("http", "https", "s3")
+
+
+class HuggingFaceSource(_Model):
+    repo: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$",
+                      description="Hugging Face repo id, e.g. meta-llama/Llama-3.1-8B-Instruct.")
+    revision: str | None = Field(None, min_length=1, max_length=256,
+                                 description="Branch, tag or commit; default main. A commit pins the download.")
+    token_secret: str | None = Field(None, min_length=1, max_length=253,
+                                     description="Secret holding the Hub token (gated or private repos).")
+    token_secret_key: str = Field("HF_TOKEN", min_length=1, max_length=253,
+                                  description="Key of the token in tokenSecret.")
+    endpoint: str | None = Field(None, min_length=1, max_length=2048, pattern=r"^https?://",
+                                 description="Hub endpoint (HF_ENDPOINT): a mirror or a hub proxy.")
+
+
+class UriSource(_Model):
+    url: str = Field(min_length=1, max_length=2048, description="http(s):// URL of a checkpoint archive (.tar, "
+                     ".tar.gz, .tgz, .zip) or s3://bucket/prefix (a checkpoint directory or an archive object).")
+    credentials_secret: str | None = Field(None, min_length=1, max_length=253, description="Secret whose keys "
+                                           "become the download's environment, e.g. AWS_ACCESS_KEY_ID, "
+                                           "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible store.")
+
+
 class ModelSource(_Model):
     """At most one member. None set (or the whole block omitted) means a tiny generated checkpoint, which only
-    the local launcher supports."""
+    the local launcher supports. huggingFace and uri are downloaded before the worker starts (an init container
+    on Kubernetes) into the model cache."""
     model_config = ConfigDict(json_schema_extra={"maxProperties": 1})
-    hugging_face: str | None = Field(None, min_length=1, max_length=256,
-                                     description="Hugging Face repo id, passed as is; cache on an emptyDir.")
+    hugging_face: HuggingFaceSource | None = Field(None, description="Download from the Hugging Face Hub.")
     pvc: PvcSource | None = Field(None, description="Checkpoint on a PVC, mounted read-only at /models.")
     path: str | None = Field(None, min_length=1, max_length=1024,
                              description="Checkpoint directory already inside the image (or a volume).")
-    uri: str | None = Field(None, min_length=1, max_length=2048,
-                            description="URI passed as is to the worker, which fetches it into its cache.")
+    uri: UriSource | None = Field(None, description="Download an archive or an object-store prefix.")
 
     @model_validator(mode="after")
     def _at_most_one(self) -> ModelSource:
@@ -75,12 +99,19 @@ class ModelSource(_Model):
                 return to_camel(name)  # type: ignore[return-value]
         return "generated"
 
+    @property
+    def downloaded(self) -> bool:
+        return self.hugging_face is not None or self.uri is not None
+
 
 class ModelSpec(_Model):
     served_name: str = Field(min_length=1, max_length=256, description="Model name clients send in requests.")
     source: ModelSource = Field(default_factory=ModelSource)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=16, le=1_048_576, description="Context length in tokens.")
+    cache_claim_name: str | None = Field(None, min_length=1, max_length=253, description="PVC for downloaded "
+                                         "checkpoints (huggingFace, uri): pods that restart or are added reuse "
+                                         "it. Default: an emptyDir per pod. ReadWriteMany when pods share nodes.")
 
 
 # ---------------------------------------------------------------- kv transfer
@@ -97,12 +128,19 @@ class RdmaSpec(_Model):
                                       "each prefill and decode pod requests and limits 1 (only when enabled).")
 
 
+class SharedStorageSpec(_Model):
+    """The filesystem SharedStorageConnector's workers share on Kubernetes."""
+    claim_name: str = Field(min_length=1, max_length=253, description="A ReadWriteMany PVC mounted by every "
+                            "prefill and decode pod at /kv-shared.")
+
+
 class KVTransferSpec(_Model):
     connector: str = Field("NixlConnector", min_length=1, max_length=256,
-                           description="NixlConnector, SharedStorageConnector or 'package.module:Class'.")
+                           description=f"{', '.join(CONNECTORS)} or 'package.module:Class'.")
     lease_seconds: int = Field(30, ge=1, le=3600,
                                description="Prefill frees KV blocks not read by decode within this time.")
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    shared_storage: SharedStorageSpec | None = Field(None, description="SharedStorageConnector on Kubernetes.")
     rdma: RdmaSpec = Field(default_factory=RdmaSpec)
 
 
@@ -364,11 +402,9 @@ def check_spec(raw: Any,
 def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kubernetes", "local"]) -> list[Problem]:
     """What the schema accepts but cannot be served. `target` adds what only Kubernetes needs."""
     problems: list[Problem] = []
-    conn = spec.kv_transfer.connector
-    if conn not in KNOWN_CONNECTORS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", conn):
-        problems.append(Problem("spec.kvTransfer.connector",
-                                f"unknown connector {conn!r}: expected one of {', '.join(KNOWN_CONNECTORS)} "
-                                "or 'package.module:ClassName'"))
+    if (why := connector_problem(spec.kv_transfer.connector)) is not None:
+        problems.append(Problem("spec.kvTransfer.connector", why))
+    problems += _model_problems(spec) + _parallel_problems(spec)
     a = spec.autoscaling
     for role in ("prefill", "decode"):
         bounds: ReplicaBounds = getattr(a, role)
@@ -393,15 +429,44 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
             problems.append(Problem(f"spec.{role}.drainDelaySeconds",
                                     f"{r.drain_delay_seconds} must be below terminationGracePeriodSeconds "
                                     f"{r.termination_grace_period_seconds}"))
+    from disagg.operator.worker_command import command_problems  # it builds commands from these models
+
+    problems += command_problems(spec)
     if target == "kubernetes":
         problems += _grace_problems(spec)
         if not spec.image:
             problems.append(Problem("spec.image", "required on Kubernetes (the worker image)"))
+        declaration = declaration_of(spec.kv_transfer.connector)
+        if declaration is not None and declaration.needs_shared_storage and spec.kv_transfer.shared_storage is None:
+            problems.append(Problem("spec.kvTransfer.sharedStorage",
+                                    f"required on Kubernetes for {declaration.name}: a ReadWriteMany PVC "
+                                    "(claimName) that every prefill and decode pod mounts"))
         if spec.model.source.kind == "generated":
             problems.append(Problem("spec.model.source",
                                     "required on Kubernetes: set one of huggingFace, pvc, path, uri "
                                     "(a generated checkpoint is only for `disagg up`)"))
     return problems
+
+
+def _model_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
+    uri = spec.model.source.uri
+    if uri is None:
+        return []
+    scheme = uri.url.partition("://")[0].lower() if "://" in uri.url else ""
+    if scheme not in URI_SCHEMES:
+        return [Problem("spec.model.source.uri.url", f"scheme {scheme + '://' if scheme else '(none)'} in "
+                        f"{uri.url!r} is not supported: use {', '.join(s + '://' for s in URI_SCHEMES)}")]
+    if scheme == "s3" and not uri.url[len("s3://"):].split("/")[0]:
+        return [Problem("spec.model.source.uri.url", f"{uri.url!r}: expected s3://bucket[/prefix]")]
+    return []
+
+
+def _parallel_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
+    """The built-in engine runs one device per worker: no tensor parallelism (yet)."""
+    return [Problem(f"spec.{role}.tensorParallelSize",
+                    f"{getattr(spec, role).tensor_parallel_size} is not supported by the built-in engine, which "
+                    "runs one device per worker: use 1")
+            for role in ("prefill", "decode") if getattr(spec, role).tensor_parallel_size != 1]
 
 
 def request_drain_seconds(spec: DisaggregatedInferenceSpec, role: str) -> int:

@@ -3,10 +3,12 @@ needs no operator dependencies and `disagg --help` stays fast."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("disagg.worker.engine.generate_cli", "generate text offline with the engine"),
+    "fetch-model": ("disagg.worker.model.fetch", "download a checkpoint (Hugging Face Hub, http(s) archive, s3://)"),
     "worker": ("disagg.worker.server.cli", "run an OpenAI-compatible worker (prefill, decode or both)"),
     "router": ("disagg.worker.router.cli", "run the prefill/decode router"),
     "up": ("disagg.worker.local.launcher", "run a DisaggregatedInference spec as local processes"),
@@ -16,12 +18,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(argv: list[str], parser_class: type | None = None) -> Any:
+    """The `disagg` parser with the chosen subcommand's arguments (only that module is imported).
+    `parser_class`: an ArgumentParser subclass, e.g. one whose error() raises (the contract tests)."""
     import argparse
     import importlib
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
+    parser = (parser_class or argparse.ArgumentParser)(prog="disagg",
+                                                       description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -33,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"'disagg {name}' is not available: missing module {e.name}")
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 
 

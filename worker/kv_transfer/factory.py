@@ -1,25 +1,11 @@
-"""Connector factory: built-in connectors by registered name, out-of-tree ones by "module:Class"."""
+"""Connector factory: built-in connectors by their declared name (connectors.py), out-of-tree ones by
+"module:Class"."""
 from __future__ import annotations
 
 import importlib
 
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
-
-# name -> "module:Class"; imported lazily so an optional dependency (nixl) is only needed when chosen
-_REGISTRY: dict[str, str] = {
-    "SharedStorageConnector": "disagg.worker.kv_transfer.shared_storage:SharedStorageConnector",
-    "NixlConnector": "disagg.worker.kv_transfer.nixl:NixlConnector",
-}
-
-
-def register_connector(name: str, target: str) -> None:
-    if ":" not in target:
-        raise ValueError(f"connector target {target!r}: expected 'package.module:ClassName'")
-    _REGISTRY[name] = target
-
-
-def registered_connectors() -> list[str]:
-    return sorted(_REGISTRY)
+from disagg.worker.kv_transfer.connectors import CONNECTORS
 
 
 def _load_class(target: str) -> type[KVConnectorBase]:
@@ -42,12 +28,12 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
     name = config.kv_connector
     if name and ":" in name:
         return _load_class(name)
-    if name not in _REGISTRY:
+    if name not in CONNECTORS:
         raise ValueError(
-            f"unknown KV connector {name!r}: expected one of {', '.join(registered_connectors())} "
+            f"unknown KV connector {name!r}: expected one of {', '.join(CONNECTORS)} "
             "or 'package.module:ClassName'"
         )
-    return _load_class(_REGISTRY[name])
+    return _load_class(CONNECTORS[name].target)
 
 
 def create_connector(

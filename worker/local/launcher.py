@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- the plan (pure: spec + ports -> commands)
-def resolve_model_dir(spec: Any) -> str:
+def resolve_model_dir(spec: Any, cache_root: Path | None = None) -> str:
+    """The checkpoint directory the workers load; huggingFace and uri sources are downloaded first (once: a
+    later run finds them in the cache), with this process's environment (HF_TOKEN, AWS_*)."""
     source = spec.model.source
     if source.kind == "generated":
         from disagg.worker.model.tiny import default_model_dir
@@ -53,34 +55,38 @@ def resolve_model_dir(spec: Any) -> str:
             raise ValueError(f"spec.model.source.path: {source.path!r} is not a checkpoint directory "
                              "(no config.json)")
         return source.path
-    raise ValueError(f"spec.model.source.{source.kind} is not supported by `disagg up`; use path "
-                     "(a local checkpoint directory) or omit the source for the generated tiny checkpoint")
+    if source.downloaded:
+        return str(_download(spec, cache_root or Path.home() / ".cache" / "disagg"))
+    raise ValueError(f"spec.model.source.{source.kind} is not supported by `disagg up` (a PVC exists only on "
+                     "Kubernetes); use path (a local checkpoint directory), huggingFace, uri, or omit the source "
+                     "for the generated tiny checkpoint")
 
 
-def connector_args(connector: str, host: str, port_for: Any, kv_dir: str) -> list[str]:
-    """Per-worker KV-connector flags; `port_for()` hands out a free port."""
-    args = ["--kv-connector", connector]
-    if connector == "NixlConnector":
-        args += ["--kv-side-channel-host", host, "--kv-side-channel-port", str(port_for())]
-    elif connector == "SharedStorageConnector":
-        args += ["--kv-shared-storage-path", kv_dir]
-    return args
+def _download(spec: Any, cache_root: Path) -> Path:
+    from disagg.operator.worker_command import model_cache_dir
+    from disagg.worker.model.fetch import FetchError, ModelLocation, fetch_model
+
+    src = spec.model.source
+    hf = src.hugging_face
+    location = (ModelLocation("huggingFace", hf.repo, hf.revision, hf.endpoint) if hf
+                else ModelLocation("uri", src.uri.url))
+    try:
+        return fetch_model(location, model_cache_dir(spec, str(cache_root)))
+    except FetchError as e:
+        raise ValueError(f"spec.model.source: {e}") from None
 
 
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
                 worker_args: list[str] = ()) -> ProcessSpec:
-    """One prefill or decode worker on fresh ports (`port_for()` hands out a free port)."""
-    kv, role_spec = spec.kv_transfer, getattr(spec, role)
+    """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's command
+    (operator/worker_command.py) with this machine's placement."""
+    from disagg.operator.worker_command import Placement, build_worker_command
+
     port = port_for()
-    argv = [*CLI, "worker", "--role", role, "--model", model_dir, "--served-model-name", spec.model.served_name,
-            "--host", host, "--port", str(port), "--dtype", spec.model.dtype,
-            "--kv-lease-seconds", str(kv.lease_seconds), "--kv-load-failure-policy", kv.load_failure_policy,
-            *connector_args(kv.connector, host, port_for, kv_dir)]
-    if spec.model.max_model_len:
-        argv += ["--max-model-len", str(spec.model.max_model_len)]
-    argv += [*role_spec.extra_args, *worker_args]
-    env = {e.name: e.value for e in role_spec.env if e.value is not None}
-    return ProcessSpec(f"{role}-{index}", argv, f"http://{host}:{port}", env, role)
+    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir))
+    env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
+    return ProcessSpec(f"{role}-{index}", [*CLI, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
+                       role)
 
 
 def initial_replicas(spec: Any, role: str) -> int:

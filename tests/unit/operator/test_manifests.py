@@ -38,31 +38,79 @@ def arg(c: dict[str, Any], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
-@pytest.mark.parametrize("source, model_arg, volume, mount, hf_home", [
+HF = {"huggingFace": {"repo": "Qwen/Qwen2.5-0.5B"}}
+URI = {"uri": {"url": "s3://bucket/llama"}}
+
+
+@pytest.mark.parametrize("source, model_arg, volume, mount, fetched", [
     ({"pvc": {"claimName": "models", "path": "llama"}}, "/models/llama", "persistentVolumeClaim", "/models", False),
     ({"pvc": {"claimName": "models"}}, "/models", "persistentVolumeClaim", "/models", False),
-    ({"huggingFace": "Qwen/Qwen2.5-0.5B"}, "Qwen/Qwen2.5-0.5B", "emptyDir", "/cache", True),
-    ({"uri": "s3://bucket/llama"}, "s3://bucket/llama", "emptyDir", "/cache", True),
+    (HF, "/cache/models/", "emptyDir", "/cache", True),
+    (URI, "/cache/models/", "emptyDir", "/cache", True),
     ({"path": "/opt/model"}, "/opt/model", None, None, False),
 ])
-def test_model_source(source, model_arg, volume, mount, hf_home):
+def test_model_source(source, model_arg, volume, mount, fetched):
     dep = m.build_worker_deployment(OWNER, spec_with(**{"model.source": source}), "decode")
-    c = container(dep)
-    assert arg(c, "--model") == model_arg
-    volumes = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] not in ("dshm", "tmp")]
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert arg(c, "--model").startswith(model_arg)
+    volumes = [v for v in pod["volumes"] if v["name"] not in ("dshm", "tmp")]
     assert [next(k for k in v if k != "name") for v in volumes] == ([volume] if volume else [])
     assert [vm["mountPath"] for vm in c["volumeMounts"] if vm["name"] not in ("dshm", "tmp")] == \
         ([mount] if mount else [])
-    assert any(e["name"] == "HF_HOME" for e in c["env"]) == hf_home
+    init = pod.get("initContainers", [])
+    assert [i["name"] for i in init] == (["fetch-model"] if fetched else [])
+    if fetched:  # the init container fills exactly the directory the worker loads
+        assert init[0]["args"][0] == "fetch-model" and init[0]["args"][-2:] == ["--dest", arg(c, "--model")]
+        assert {vm["mountPath"] for vm in init[0]["volumeMounts"]} >= {"/cache", "/tmp"}
+
+
+def test_downloaded_sources_get_their_own_cache_directory():
+    dirs = {arg(container(m.build_worker_deployment(OWNER, spec_with(**{"model.source": src}), "decode")),
+                "--model") for src in (HF, URI, {"huggingFace": {"repo": "Qwen/Qwen2.5-0.5B", "revision": "v2"}})}
+    assert len(dirs) == 3
+
+
+def test_hugging_face_token_secret_endpoint_and_cache_claim():
+    source = {"huggingFace": {"repo": "org/gated", "revision": "abc", "tokenSecret": "hf",
+                              "endpoint": "http://hub-proxy.internal:8080"}}
+    dep = m.build_worker_deployment(OWNER, spec_with(**{"model.source": source, "model.cacheClaimName": "cache"}),
+                                    "prefill")
+    pod = dep["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    env = {e["name"]: e for e in init["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}
+    assert env["HF_ENDPOINT"]["value"] == "http://hub-proxy.internal:8080"
+    assert init["args"][:5] == ["fetch-model", "--hf-repo", "org/gated", "--revision", "abc"]
+    assert next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"] == {"claimName": "cache"}
+    assert "HF_TOKEN" not in {e["name"] for e in container(dep)["env"]}, "the token stays in the init container"
+
+
+def test_uri_credentials_secret_becomes_the_download_environment():
+    dep = m.build_worker_deployment(OWNER, spec_with(**{"model.source": {"uri": {
+        "url": "s3://bucket/llama/", "credentialsSecret": "s3"}}}), "decode")
+    init = dep["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["envFrom"] == [{"secretRef": {"name": "s3"}}]
+    assert init["args"][:3] == ["fetch-model", "--uri", "s3://bucket/llama/"]
+
+
+def test_shared_storage_connector_mounts_the_claim_where_workers_look():
+    dep = m.build_worker_deployment(OWNER, spec_with(**{"kvTransfer.connector": "SharedStorageConnector",
+                                                         "kvTransfer.sharedStorage": {"claimName": "kv"}}),
+                                    "decode")
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    volume = next(v for v in pod["volumes"] if v["name"] == "kv-shared")
+    assert volume["persistentVolumeClaim"] == {"claimName": "kv"}
+    mount = next(vm for vm in c["volumeMounts"] if vm["name"] == "kv-shared")
+    assert arg(c, "--kv-shared-storage-path") == mount["mountPath"]
+    assert arg(c, "--kv-side-channel-port") is None
 
 
 @pytest.mark.parametrize("changes, flag, value", [
     ({}, "--dtype", "bfloat16"),
-    ({"model.dtype": "auto"}, "--dtype", None),
+    ({"model.dtype": "auto"}, "--dtype", "auto"),
     ({}, "--max-model-len", "8192"),
     ({"model.maxModelLen": None}, "--max-model-len", None),
     ({}, "--tensor-parallel-size", None),
-    ({"decode.tensorParallelSize": 2}, "--tensor-parallel-size", "2"),
     ({"kvTransfer.connector": "pkg.mod:Conn"}, "--kv-connector", "pkg.mod:Conn"),
     ({"kvTransfer.leaseSeconds": 7}, "--kv-lease-seconds", "7"),
     ({"kvTransfer.loadFailurePolicy": "fail"}, "--kv-load-failure-policy", "fail"),
@@ -162,16 +210,21 @@ def test_security_context_and_rdma(rdma, component, add, device):
 
 @pytest.mark.parametrize("component", ["prefill", "decode", "router"])
 def test_read_only_root_filesystem_leaves_the_paths_the_process_writes(component):
-    """The worker writes /dev/shm (NCCL/UCX/torch shared memory), the model cache (HF_HOME) and /tmp; the router
-    only /tmp. Each must be a mounted volume."""
-    spec = spec_with(**{"model.source": {"huggingFace": "Qwen/Qwen2.5-0.5B"}})
+    """The worker writes /dev/shm (NCCL/UCX/torch shared memory) and /tmp, the model download the cache
+    (HF_HOME) and /tmp; the router only /tmp. Each must be a mounted volume."""
+    spec = spec_with(**{"model.source": HF})
     dep = m.build_router_deployment(OWNER, spec) if component == "router" else \
         m.build_worker_deployment(OWNER, spec, component)
     pod, c = dep["spec"]["template"]["spec"], container(dep)
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {vm["mountPath"]: vm["name"] for vm in c["volumeMounts"]}
-    writable = ["/tmp"] if component == "router" else \
-        ["/tmp", "/dev/shm", next(e["value"] for e in c["env"] if e["name"] == "HF_HOME")]
+    writable = ["/tmp"] if component == "router" else ["/tmp", "/dev/shm"]
+    if component != "router":
+        init = pod["initContainers"][0]
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True
+        init_mounts = {vm["mountPath"] for vm in init["volumeMounts"]}
+        assert {"/tmp", next(e["value"] for e in init["env"] if e["name"] == "HF_HOME")} <= \
+            {p for p in ("/tmp", "/cache/huggingface") if any(p == mp or p.startswith(mp + "/") for mp in init_mounts)}
     for path in writable:
         mount = next((mp for mp in mounts if path == mp or path.startswith(mp + "/")), None)
         assert mount is not None, f"{path} is not on a mounted volume"

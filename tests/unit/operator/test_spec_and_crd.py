@@ -83,7 +83,7 @@ def test_examples_pass_disagg_validate(path: Path, capsys: pytest.CaptureFixture
     {"kvTransfer.leaseSeconds": 0},  # minimum
     {"prefill.replicas": 1.5},  # integers only
     {"router.service.type": "Ingress"},
-    {"model.source": {"huggingFace": "a/b", "uri": "s3://x"}},  # at most one source
+    {"model.source": {"huggingFace": {"repo": "a/b"}, "uri": {"url": "s3://x"}}},  # at most one source
     {"decode.resources": {"requests": {"memory": "lots"}}},  # quantity pattern
     {"autoscaling.targets": {"decode": {"kvCacheUsagePercent": 101}}},
     {"kvTransfer.rdma": {"enabled": True, "resourceName": "ib"}},  # a device-plugin resource has a prefix
@@ -109,6 +109,17 @@ def test_schema_and_models_both_reject(changes: dict[str, Any]):
     ({"image": None}, "spec.image"),
     ({"kvTransfer.rdma": {"enabled": True, "resourceName": "rdma/ib"},
       "prefill.resources": {"gpus": 1, "limits": {"rdma/ib": 2}}}, "spec.prefill.resources"),
+    # accepted by the CRD, once unusable on Kubernetes; now rejected by name
+    ({"prefill.tensorParallelSize": 2}, "spec.prefill.tensorParallelSize"),
+    ({"decode.tensorParallelSize": 4}, "spec.decode.tensorParallelSize"),
+    ({"kvTransfer.connector": "SharedStorageConnector"}, "spec.kvTransfer.sharedStorage"),
+    ({"model.source": {"uri": {"url": "gs://bucket/llama"}}}, "spec.model.source.uri.url"),
+    ({"model.source": {"uri": {"url": "/models/llama"}}}, "spec.model.source.uri.url"),
+    ({"model.source": {"uri": {"url": "s3:///llama"}}}, "spec.model.source.uri.url"),
+    ({"decode.extraArgs": ["--no-such-flag"]}, "spec.decode.extraArgs"),
+    ({"decode.extraArgs": ["--max-num-seqs", "many"]}, "spec.decode.extraArgs"),
+    ({"prefill.extraArgs": ["--port", "9000"]}, "spec.prefill.extraArgs"),
+    ({"prefill.extraArgs": ["--kv-side-channel-port=7000"]}, "spec.prefill.extraArgs"),
 ])
 def test_schema_accepts_but_operator_rejects(changes: dict[str, Any], path: str):
     doc = with_spec(**changes)
@@ -123,7 +134,8 @@ def test_schema_accepts_but_operator_rejects(changes: dict[str, Any], path: str)
     ("nixl", False), ("my_pkg.kv", False), ("my_pkg.kv:", False),
 ])
 def test_connector_names(connector: str, ok: bool):
-    spec = s.parse_spec(with_spec(**{"kvTransfer.connector": connector})["spec"])
+    spec = s.parse_spec(with_spec(**{"kvTransfer.connector": connector,
+                                     "kvTransfer.sharedStorage": {"claimName": "kv"}})["spec"])
     assert (not s.semantic_problems(spec, "kubernetes")) == ok
 
 

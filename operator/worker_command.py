@@ -1,0 +1,116 @@
+"""The one place a worker's command line is built from (spec, role, placement).
+
+The operator's pod templates (manifests.py) and `disagg up` (worker/local/launcher.py) both call
+build_worker_command(); they differ only in the Placement they pass: on Kubernetes fixed ports and the pod IP
+through the downward API, locally free ports on one host. The model download (an init container on Kubernetes)
+is built here too. command_problems() parses every command a spec would produce with the worker's own parser,
+so `disagg validate` and the operator reject a spec whose pods could not start.
+
+Pure: no API calls, no processes. Standard library + the spec models only (the operator image has no torch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Literal
+
+from disagg.operator import spec as s
+from disagg.worker.kv_transfer.connectors import declaration_of
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+EXECUTABLE = "disagg"  # the image's entrypoint; `disagg up` runs the same CLI with its own interpreter
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs, as its command line needs it."""
+    host: str  # address the HTTP server binds
+    port: int  # HTTP port (API, /health, /ready, /metrics)
+    advertise_host: str  # address peers reach this worker at: "$(POD_IP)" on Kubernetes
+    side_channel_port: int  # NIXL side channel
+    model_dir: str  # the checkpoint directory as the worker sees it
+    shared_storage_path: str | None = None  # SharedStorageConnector's directory
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    argv: list[str]  # argv[0] is EXECUTABLE
+    env: dict[str, str] = field(default_factory=dict)  # variables the engine needs beyond the user's spec env
+
+
+def build_worker_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
+    kv, r = spec.kv_transfer, getattr(spec, role)
+    argv = [EXECUTABLE, "worker", "--role", role, "--model", placement.model_dir,
+            "--served-model-name", spec.model.served_name,
+            "--host", placement.host, "--port", str(placement.port), "--dtype", spec.model.dtype,
+            "--kv-connector", kv.connector, "--kv-lease-seconds", str(kv.lease_seconds),
+            "--kv-load-failure-policy", kv.load_failure_policy,
+            # SIGTERM drain: running requests get this long, then unread KV waits up to the lease, all inside
+            # terminationGracePeriodSeconds (after the preStop wait), so a removed worker loses no work
+            "--drain-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
+    declaration = declaration_of(kv.connector)
+    for setting in declaration.settings if declaration else ():
+        value = getattr(placement, setting.placement)
+        if value is None:
+            raise ValueError(f"{kv.connector} needs {setting.placement} for {setting.flag}")
+        argv += [setting.flag, str(value)]
+    if spec.model.max_model_len is not None:
+        argv += ["--max-model-len", str(spec.model.max_model_len)]
+    return WorkerCommand(argv + list(r.extra_args))
+
+
+def model_cache_dir(spec: s.DisaggregatedInferenceSpec, cache_root: str) -> str:
+    """Where a downloaded source lands under the cache: one directory per source, so sources sharing a cache
+    PVC never collide and the same source is found again."""
+    from disagg.operator.manifests import stable_hash  # the hash children use for their templates
+
+    source = spec.model.source.model_dump(by_alias=True, exclude_none=True)
+    return str(PurePosixPath(cache_root) / "models" / stable_hash(source, 12))
+
+
+def build_fetch_command(spec: s.DisaggregatedInferenceSpec, dest: str) -> WorkerCommand:
+    """`disagg fetch-model` for a huggingFace or uri source. Secrets (HF_TOKEN, S3 credentials) are not here:
+    the Kubernetes adapter references them, `disagg up` takes them from its own environment."""
+    src = spec.model.source
+    env: dict[str, str] = {}
+    if src.hugging_face is not None:
+        argv = [EXECUTABLE, "fetch-model", "--hf-repo", src.hugging_face.repo]
+        if src.hugging_face.revision:
+            argv += ["--revision", src.hugging_face.revision]
+        if src.hugging_face.endpoint:
+            env["HF_ENDPOINT"] = src.hugging_face.endpoint
+    elif src.uri is not None:
+        argv = [EXECUTABLE, "fetch-model", "--uri", src.uri.url]
+    else:
+        raise ValueError(f"spec.model.source.{src.kind} is not downloaded")
+    return WorkerCommand([*argv, "--dest", dest], env)
+
+
+def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[s.Problem]:
+    """Parse each role's command as the worker would (with placeholder placement values)."""
+    from disagg.worker.server.args import parse_worker_args
+
+    placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared")
+    problems = []
+    for role in ROLES:
+        try:
+            argv = build_worker_command(spec, role, placement).argv
+        except ValueError as e:
+            problems.append(s.Problem(f"spec.{role}", str(e)))
+            continue
+        where = f"spec.{role}.extraArgs"
+        owned = _owned_flags(argv[: len(argv) - len(getattr(spec, role).extra_args)])
+        for arg in getattr(spec, role).extra_args:
+            if arg.split("=", 1)[0] in owned:
+                problems.append(s.Problem(where, f"{arg.split('=', 1)[0]} is set by the operator from the spec; "
+                                                 "change the spec field instead"))
+        try:
+            parse_worker_args(argv[2:])
+        except ValueError as e:
+            problems.append(s.Problem(where, f"the worker rejects its command line: {e}"))
+    return problems
+
+
+def _owned_flags(argv: list[str]) -> set[str]:
+    return {a for a in argv if a.startswith("--")}
