@@ -135,6 +135,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         if prom is not None:
             prom.stop()
         httpd.shutdown()
+        httpd.server_close()
     assert codes == {p.spec.name: -9 if p.spec.name == "prefill-crashing" else 0 for p in procs}
 
 
