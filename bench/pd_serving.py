@@ -6,6 +6,7 @@ time to first token (TTFT) and inter-token latency (ITL), p50/p90. For P/D it al
 worker's vllm:nixl_xfer_time_seconds to give the KV transfer's share of TTFT. Prints P/D / colocated ratios.
 
     python bench/pd_serving.py [--rates 2 4] [--num-requests 24] [--connector NixlConnector]
+    python bench/pd_serving.py --plot pd.png   # also TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)
 
 The deployments run one after the other so they never share the CPU. Not a test.
 """
@@ -30,6 +31,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 from disagg.worker.local.process import free_port, is_ready
+from plots import plot_latency_cdfs
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORDS = "the history of the city begins with a small harbour and a market where fishermen sold fish".split()
@@ -80,7 +82,7 @@ async def run_load(url: str, rate: float, n: int, prompt_words: int, max_tokens:
     ttfts = [t for t, _ in results]
     itls = [x for _, gaps in results for x in gaps]
     return {"ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_mean": statistics.mean(ttfts),
-            "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9)}
+            "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9), "ttfts": ttfts, "itls": itls}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -150,6 +152,7 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=150, help="~2.4 tokens per word with the tiny tokenizer")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--connector", default="NixlConnector")
+    p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
     args = p.parse_args()
     # one intra-op thread per process: on a small machine several torch processes with a thread per core
     # each spin against one another and the tails measure that, not serving (seen: 30x swings run to run)
@@ -180,6 +183,11 @@ def main() -> int:
         c, q = colo[rate], pd[rate]
         print(f"{rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x {q['ttft_p90'] / c['ttft_p90']:8.2f}x "
               f"{q['itl_p50'] / c['itl_p50']:8.2f}x {q['itl_p90'] / c['itl_p90']:8.2f}x")
+    if args.plot:
+        plot_latency_cdfs(args.plot, {"colocated": colo, f"P/D ({args.connector})": pd},
+                          f"P/D (router + 1 prefill + 1 decode) vs 1 colocated worker: {args.num_requests} streaming "
+                          f"requests per rate, ~{args.prompt_words}-word prompts, {args.max_tokens} tokens out")
+        print(f"plot: {args.plot}")
     return 0
 
 
