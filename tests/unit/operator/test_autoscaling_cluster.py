@@ -203,6 +203,18 @@ def test_unreachable_or_unready_pods(cluster):
     assert "decode-1" in active["message"]
 
 
+def test_a_lowered_max_is_applied_by_the_autoscaler_even_without_metrics(cluster):
+    setup(cluster, autoscaling_example(), [0.8, 0.8])
+    body = cluster.objects[("DisaggregatedInference", NS, NAME)]
+    body["spec"]["autoscaling"]["decode"]["maxReplicas"] = 1
+    run_pass(cluster)
+    assert dep_replicas(cluster, "decode") == 2, "reconcile leaves an autoscaled Deployment's replicas alone"
+    cluster.samples.clear()  # type: ignore[attr-defined]
+    held = decide(cluster)
+    assert (held.decision.reason, held.decision.roles["decode"].limited_by) == ("MetricsMissing", "TooManyReplicas")
+    assert dep_replicas(cluster, "decode") == 1
+
+
 def test_autoscaling_off_or_invalid_does_nothing(cluster):
     doc = autoscaling_example()
     doc["spec"]["autoscaling"]["enabled"] = False
