@@ -127,8 +127,8 @@ def apply_child(cluster: Cluster, desired: dict[str, Any], observed: dict[str, A
     if not child_needs_write(desired, observed, live_replicas=not keep_replicas):
         return observed, False
     patch = merge_patch(_last_applied(observed), desired)
-    if keep_replicas:
-        patch["spec"].pop("replicas", None)
+    if keep_replicas:  # a new dict: merge_patch may hand back parts of `desired` itself
+        patch["spec"] = {k: v for k, v in patch["spec"].items() if k != "replicas"}
     patch["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = \
         _stamped(desired)["metadata"]["annotations"][ANNOTATION_LAST_APPLIED]
     return cluster.patch(*key, patch), True

@@ -226,6 +226,21 @@ def test_with_autoscaling_an_existing_deployments_replicas_are_left_alone():
     assert r.applied_replicas(dep) == 6  # type: ignore[arg-type]
 
 
+def test_with_autoscaling_a_deployment_from_an_older_operator_is_patched_without_its_replicas():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    scale(cluster, "decode", 6)
+    dep = cluster.objects[("Deployment", "ns", "llama3-8b-decode")]
+    dep["metadata"]["annotations"][r.ANNOTATION_LAST_APPLIED] = '{"metadata":{"labels":{"older":"true"}}}'
+    cluster.writes.clear()
+    result = run_pass(cluster)
+    assert result.children_written == ["Deployment/llama3-8b-decode"] and replicas(cluster) == (2, 6)
+    patch = next(body for verb, what, body in cluster.writes if what == "Deployment/llama3-8b-decode")
+    assert "replicas" not in patch["spec"] and patch["metadata"]["labels"]["older"] is None
+    assert "decode 0/6" in conditions_message(cluster, "Ready")
+
+
 def conditions_message(cluster: FakeCluster, ctype: str) -> str:
     return next(c["message"] for c in cluster.resource()["status"]["conditions"] if c["type"] == ctype)
 
