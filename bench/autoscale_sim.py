@@ -1,7 +1,7 @@
 """Autoscaling replay: a bursty trace against per-pod capacity models, three ways of provisioning.
 
-- ours: disagg.operator.autoscale.decide on the pods' exported metrics (queue, prompt tokens, TTFT, KV usage, ITL,
-  KV-transfer), projecting demand one pod start-up ahead.
+- ours: disagg.operator.autoscaling.policy.decide on the pods' exported metrics (queue, prompt tokens, TTFT,
+  KV usage, ITL, KV-transfer), projecting demand one pod start-up ahead.
 - static peak: fixed pools sized for the trace's busiest minute (spikes included) plus 10% headroom.
 - queue per role: each pool scaled on its own vllm:num_requests_waiting (the common KEDA recipe), same HPA
   machinery (tolerance, down window, step) so only the signals differ.
@@ -30,8 +30,8 @@ from autoscale_sim_model import Simulation
 from autoscale_sim_trace import CHAT, GENERATE, RAG, TraceRequest, make_trace
 from plots import Timeline, plot_autoscaling, recording
 
-from disagg.operator.autoscale import ScalingHistory, decide
-from disagg.operator.autoscale_inputs import AutoscalePolicy, RoleBounds
+from disagg.operator.autoscaling.policy import ScalingHistory, decide
+from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleBounds
 
 INTERVAL_S = 15.0
 DOWN_WINDOW_S = 180.0
