@@ -30,7 +30,7 @@ def binary(name: str) -> str | None:
 
 def exported_metric_names() -> set[str]:
     """Every series name the three exporters can emit (counters with _total, histograms' three series), plus up."""
-    from disagg.operator.autoscaler import OperatorMetrics
+    from disagg.operator.autoscaling.cluster import OperatorMetrics
     from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.server.metrics import WorkerMetrics
 
