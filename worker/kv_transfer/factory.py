@@ -12,12 +12,6 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def register_connector(name: str, target: str) -> None:
-    if ":" not in target:
-        raise ValueError(f"connector target {target!r}: expected 'package.module:ClassName'")
-    _REGISTRY[name] = target
-
-
 def registered_connectors() -> list[str]:
     return sorted(_REGISTRY)
 

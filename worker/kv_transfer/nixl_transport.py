@@ -7,7 +7,7 @@ The connector (nixl.py) decides *which* blocks move and *when*; this module only
     SideChannelServer(t.local_metadata())    md = fetch_engine_metadata(host, port)
                                              r.add_peer(md)
                                              h = r.start_read(eid, local_ids, remote_ids, b"req-1")
-    t.get_new_notifs() -> [(agent, b"req-1")]   r.poll(h) -> "PROC" ... "DONE" | raises TransferFailed
+    t.get_new_notifs() -> [(agent, b"req-1")]   r.poll(h) -> PROC ... DONE | raises TransferFailed
                                              h = r.notify(eid, b"req-2")  (no KV moves; poll(h) the same way)
 
 The agent runs without NIXL's progress thread (it burns a core even when idle): progress happens
@@ -16,9 +16,13 @@ Not thread-safe: call every method from one thread (the worker's).
 
 Because the KV tensor is block-major, consecutive block ids are one byte range, and a read is
 posted as one descriptor per run where both the local and the remote ids are consecutive.
+
+Over 300 lines: the adapter and the pure checks a READ must pass before it is posted (block ids,
+peer compatibility) stay together, so every precondition of a transfer is read in one place.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -33,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 _LOCAL_SIDE = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for "my own registered memory"
 _SCRATCH_BYTES = 64  # registered beside the KV tensor: the destination of notify()'s one-byte read
+
+
+class TransferState(enum.Enum):
+    """A posted transfer's state; nixl's own strings ("PROC", "DONE", "ERR") stay inside this module."""
+
+    PROC = "PROC"  # posted, not finished
+    DONE = "DONE"  # finished; its nixl handles are released
+    FAILED = "FAILED"  # raised TransferFailed; its local blocks may be partly written
 
 
 class NixlTransportError(Exception):
@@ -138,7 +150,7 @@ class ReadHandle:
     notif_msg: bytes
     num_descriptors: int  # coalesced runs
     nbytes: int
-    state: str = "PROC"  # PROC | DONE | FAILED
+    state: TransferState = TransferState.PROC
     control: bool = False  # notify(): carries a message, moves no KV (not counted as a transfer)
     error: TransferFailed | None = None
     post_time_s: float = 0.0
@@ -296,10 +308,10 @@ class NixlTransport:
         self._after_state(handle, state)
         return handle
 
-    def poll(self, handle: ReadHandle) -> str:
-        """"PROC" or "DONE" (handles released on DONE); raises TransferFailed (handles released)."""
-        if handle.state == "DONE":
-            return "DONE"
+    def poll(self, handle: ReadHandle) -> TransferState:
+        """PROC or DONE (handles released on DONE); raises TransferFailed (handles released)."""
+        if handle.state is TransferState.DONE:
+            return TransferState.DONE
         if handle.error is not None:
             raise handle.error
         try:
@@ -308,11 +320,6 @@ class NixlTransport:
             raise self._fail(handle, e, "the READ failed") from e
         self._after_state(handle, state)
         return handle.state
-
-    def release(self, handle: ReadHandle) -> None:
-        """Abandon a read (e.g. the request was aborted); its local blocks must be treated as invalid."""
-        if handle.state == "PROC":
-            self._fail(handle, None, "released before it finished", count=False)
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; also drives progress."""
@@ -359,9 +366,10 @@ class NixlTransport:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _after_state(self, handle: ReadHandle, state: str) -> None:
+        """Apply nixl's state string for the handle (from transfer() or check_xfer_state())."""
         if state == "DONE":
             xfer_time = time.perf_counter() - handle._t_post
-            handle.state = "DONE"
+            handle.state = TransferState.DONE
             self._release_handles(handle)
             if not handle.control:
                 self._stats.record_done(xfer_time, handle.post_time_s, handle.nbytes, handle.num_descriptors)
@@ -369,7 +377,7 @@ class NixlTransport:
             raise self._fail(handle, None, f"nixl reported state {state!r}")
 
     def _fail(self, handle: ReadHandle, cause: BaseException | None, what: str, count: bool = True) -> TransferFailed:
-        handle.state = "FAILED"
+        handle.state = TransferState.FAILED
         op = "notification to" if handle.control else f"READ of {len(handle.local_block_ids)} blocks from"
         handle.error = TransferFailed(
             f"engine {self.engine_id}: {op} peer {handle.peer_engine_id} (notif {handle.notif_msg[:64]!r}): {what}"
