@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
-from disagg.worker.kv_transfer.nixl_metadata import NixlConnectorMetadata, NixlSettings
+from disagg.worker.kv_transfer.nixl_metadata import DEFAULT_LEASE_SECONDS, NixlConnectorMetadata, NixlSettings
 from disagg.worker.kv_transfer.nixl_scheduler import NixlConnectorScheduler
 from disagg.worker.kv_transfer.nixl_worker import NixlConnectorWorker
 
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from disagg.worker.engine.outputs import SchedulerOutput
     from disagg.worker.engine.request import Request
     from disagg.worker.kv_transfer.nixl_transport import NixlTransport
+
+__all__ = ["DEFAULT_LEASE_SECONDS", "NixlConnector"]  # the server's --kv-lease-seconds default comes from here
 
 
 def _require_nixl() -> None:
