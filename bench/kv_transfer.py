@@ -26,7 +26,7 @@ import torch
 
 from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec
-from disagg.worker.kv_transfer.nixl_transport import NixlTransport, coalesce
+from disagg.worker.kv_transfer.nixl_transport import NixlTransport, TransferState, coalesce
 from disagg.worker.kv_transfer.side_channel import SideChannelServer, fetch_engine_metadata
 
 HOST = "127.0.0.1"
@@ -67,7 +67,7 @@ def serve(num_blocks: int, hugepages: bool) -> None:
 def read_once(reader: NixlTransport, local: list[int], remote: list[int]) -> float:
     t0 = time.perf_counter()
     handle = reader.start_read("bench-owner", local, remote, b"bench")
-    while reader.poll(handle) != "DONE":
+    while reader.poll(handle) is not TransferState.DONE:
         pass
     return time.perf_counter() - t0
 

@@ -26,7 +26,11 @@ class LLM:
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings or lists of token ids) to completion; results in prompt order.
-        Every prompt is validated before any runs, so one bad prompt queues nothing."""
+        Every prompt is validated before any runs, so one bad prompt queues nothing.
+
+        Afterwards engine.stats.kv_connector_stats holds this call's per-step connector stats only:
+        the previous call's are dropped here (no server drains them offline, so they would pile up)."""
+        self.engine.stats.kv_connector_stats.clear()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         n = len(prompts)

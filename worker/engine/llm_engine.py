@@ -12,13 +12,13 @@ import torch
 from disagg.worker.engine.config import EngineConfig
 from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from disagg.worker.engine.request import Request, RequestStatus
-from disagg.worker.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
 from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
 from disagg.worker.kv_transfer.factory import create_connector
 from disagg.worker.model import Tokenizer, load_model
 from disagg.worker.runner.model_runner import ModelRunner
-from disagg.worker.engine.outputs import SchedulerOutput
+from disagg.worker.engine.outputs import EngineCoreOutput, SchedulerOutput
 from disagg.worker.engine.request_output import CompletionOutput, OutputProcessor, RequestOutput
 from disagg.worker.engine.sampling_params import SamplingParams
 
@@ -41,7 +41,8 @@ class EngineStats:
 
     prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     generation_tokens: int = 0
-    kv_connector_stats: list[dict[str, Any]] = field(default_factory=list)  # per step, drained by readers
+    # per step; readers drain it (the server's loop into metrics, LLM.generate at each call)
+    kv_connector_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -86,7 +87,8 @@ class LLMEngine:
             self.kv_cache_manager,
             self.scheduler_connector,
         )
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device, self.worker_connector)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device, self.worker_connector,
+                                  seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0

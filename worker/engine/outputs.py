@@ -39,10 +39,9 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request that already ran in an earlier step."""
+    """A request that already ran in an earlier step (the runner keeps its tokens: it sampled them)."""
 
     req_id: str
-    new_token_ids: list[int]  # tokens sampled last step that now need their KV computed
     new_block_ids: list[int]  # blocks appended to the block table this step
     num_computed_tokens: int
 
@@ -59,20 +58,24 @@ class SchedulerOutput:
 
 
 @dataclass
+class EngineCoreOutput:
+    """One request's progress in a step, scheduler -> output processor."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended this step
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or string
+    kv_transfer_params: dict[str, Any] | None = None  # for the decode side (P/D), set on finish
+    error: str | None = None  # with finish_reason "error"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV, not computed here
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # requests that ran this step, in batch order
     sampled_token_ids: dict[str, list[int]]  # req_id -> tokens sampled (empty for a partial prefill)
-    logprobs: dict[str, list[float]] | None = None  # req_id -> logprob of each sampled token
     kv_connector_output: KVConnectorOutput | None = None  # None when there is no connector
 
     @classmethod
     def empty(cls, kv_connector_output: KVConnectorOutput | None = None) -> "ModelRunnerOutput":
         return cls(req_ids=[], sampled_token_ids={}, kv_connector_output=kv_connector_output)
-
-
-@dataclass
-class IntermediateTensors:
-    """Hidden states handed between pipeline stages; the connector output rides along."""
-
-    tensors: dict[str, Any]  # name -> tensor (only object here allowed to hold tensors)
-    kv_connector_output: KVConnectorOutput | None = None

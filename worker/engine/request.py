@@ -51,6 +51,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in this engine's cache
+        self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache / remote KV; set at first run
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []  # hash chain of the full blocks of all_token_ids
         self.num_preemptions = 0

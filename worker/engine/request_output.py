@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.scheduler import EngineCoreOutput
+from disagg.worker.engine.outputs import EngineCoreOutput
 from disagg.worker.model.tokenizer import IncrementalDetokenizer
 
 
@@ -38,7 +38,7 @@ class RequestOutput:
     new_text: str = ""  # text added by this output (streaming)
     kv_transfer_params: dict[str, Any] | None = None  # P/D: hand to the decode worker
     error: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV
     metrics: RequestMetrics | None = None
 
 

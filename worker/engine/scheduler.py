@@ -1,5 +1,8 @@
 """Continuous-batching scheduler (pure CPU, no torch).
 
+Over 300 lines: one class holding the queues and their invariants (running, waiting, delayed frees,
+aborted loads); splitting the step's phases into modules would spread those invariants apart.
+
 Each step: keep running requests going (decode, or the next chunk of a prefill), preempting the
 newest by recompute when blocks run out; then admit waiting requests under the token budget,
 taking prefix-cache hits and external KV (from the connector) into account. Requests whose KV
@@ -7,6 +10,7 @@ arrives asynchronously wait in WAITING_FOR_REMOTE_KVS until the connector report
 """
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.kv_transfer.base import KVTransferParamsError
 from disagg.worker.engine.outputs import (
     CachedRequestData,
+    EngineCoreOutput,
     KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -25,7 +30,6 @@ from disagg.worker.engine.outputs import (
 
 logger = logging.getLogger(__name__)
 
-_SKIP = object()  # _admit: the request is not ready this step; look at the next one
 
 
 @dataclass
@@ -37,15 +41,24 @@ class SchedulerConfig:
     kv_load_failure_policy: str = "recompute"  # recompute | fail
 
 
-@dataclass
-class EngineCoreOutput:
-    req_id: str
-    new_token_ids: list[int]  # tokens appended this step
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: int | str | None = None  # the stop token id or string
-    kv_transfer_params: dict[str, Any] | None = None  # for the decode side (P/D), set on finish
-    error: str | None = None  # with finish_reason "error"
-    num_cached_tokens: int = 0  # prompt tokens not computed here (prefix cache / remote KV)
+class AdmitOutcome(enum.Enum):
+    SCHEDULED = enum.auto()  # running from this step
+    NOT_READY = enum.auto()  # remote KV or a handshake pending: let the next waiting request go first
+    NO_ROOM = enum.auto()  # out of blocks or token budget: stop admitting, keeping FCFS order
+    FAILED = enum.auto()  # finished with an error while admitting
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What _admit did with one waiting request."""
+
+    outcome: AdmitOutcome
+    num_new_tokens: int = 0  # SCHEDULED: tokens to compute this step
+    data: NewRequestData | None = None  # SCHEDULED: what the runner needs to know of it
+
+
+_NOT_READY, _NO_ROOM, _FAILED = (Admission(o) for o in (AdmitOutcome.NOT_READY, AdmitOutcome.NO_ROOM,
+                                                        AdmitOutcome.FAILED))
 
 
 class Scheduler:
@@ -142,26 +155,24 @@ class Scheduler:
                 break
             num_scheduled[req.request_id] = num_new
             budget -= num_new
-            cached_reqs.append(CachedRequestData(req.request_id, [], new_blocks, req.num_computed_tokens))
+            cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             i += 1
 
         # STEP 2: admit waiting requests (not in a step that had to preempt)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            admitted = self._admit(req, budget)
-            if admitted is _SKIP:  # not ready yet (remote KV, handshake): let others go first
-                skipped.append(req)
+            admission = self._admit(req, budget)
+            if admission.outcome is AdmitOutcome.FAILED:
                 continue
-            if admitted is None:  # out of blocks or budget: keep FCFS order
+            if admission.outcome is not AdmitOutcome.SCHEDULED:
                 skipped.append(req)
-                break
-            if admitted is False:  # finished with an error while admitting
+                if admission.outcome is AdmitOutcome.NO_ROOM:
+                    break
                 continue
-            num_new, data = admitted
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(data)
+            num_scheduled[req.request_id] = admission.num_new_tokens
+            budget -= admission.num_new_tokens
+            new_reqs.append(admission.data)
         self.waiting.extendleft(reversed([r for r in skipped if not r.is_finished()]))
 
         output = SchedulerOutput(
@@ -180,14 +191,13 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
-    def _admit(self, req: Request, budget: int) -> tuple[int, NewRequestData] | bool | object | None:
-        """Allocate for one waiting request. (num_new_tokens, data) when scheduled; None when it waits
-        for blocks or budget; _SKIP when it is not ready; False when it finished with an error."""
+    def _admit(self, req: Request, budget: int) -> Admission:
+        """Allocate for one waiting request and, when it can run this step, start it."""
         computed_blocks: list[int] = []
         num_external, load_async = 0, False
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             if not self._update_waiting_for_remote_kv(req):
-                return False if req.is_finished() else _SKIP
+                return _FAILED if req.is_finished() else _NOT_READY
         fresh = req.request_id not in self.kv.req_to_blocks  # else: remote KV landed in its blocks
         if not fresh:
             num_computed = req.num_computed_tokens
@@ -198,28 +208,30 @@ class Scheduler:
                     n, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 except KVTransferParamsError as e:
                     self._finish_with_error(req, str(e))
-                    return False
+                    return _FAILED
                 if n is None:  # the connector cannot tell yet
-                    return _SKIP
+                    return _NOT_READY
                 # a synchronous load must leave one token to compute (its logits are needed)
                 num_external = n if load_async else max(0, min(n, req.num_tokens - 1 - num_local))
             num_computed = num_local + num_external
         num_new = 0 if load_async else req.num_tokens - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
-                return None
+                return _NO_ROOM
             num_new = budget
         new_blocks = self.kv.allocate_slots(req, num_new + num_external, computed_blocks)
         if new_blocks is None:
-            return None
+            return _NO_ROOM
         if fresh and self.connector is not None and req.request_id not in self._skip_external_kv:
             self.connector.update_state_after_alloc(req, list(self.kv.get_block_ids(req.request_id)), num_external)
         if load_async:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             req.num_computed_tokens = num_computed - num_external
             self._num_external_tokens[req.request_id] = num_external
-            return _SKIP
+            return _NOT_READY
         req.num_computed_tokens = num_computed
+        if req.num_cached_tokens is None:  # first run: later ones (after a preemption) hit its own blocks
+            req.num_cached_tokens = num_computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         data = NewRequestData(
@@ -229,7 +241,7 @@ class Scheduler:
             num_computed_tokens=num_computed,
             sampling_params=req.sampling_params,
         )
-        return num_new, data
+        return Admission(AdmitOutcome.SCHEDULED, num_new, data)
 
     def _update_waiting_for_remote_kv(self, req: Request) -> bool:
         """True when the request's remote KV has landed (or failed and will be recomputed)."""
@@ -292,7 +304,7 @@ class Scheduler:
                 self._free_request(req)
                 outputs.append(self._finish_output(req, new_token_ids))
             elif new_token_ids:
-                outputs.append(EngineCoreOutput(req_id, new_token_ids))
+                outputs.append(EngineCoreOutput(req_id, new_token_ids, num_cached_tokens=req.num_cached_tokens or 0))
         if kv_output is not None:
             self._update_from_kv_output(kv_output)
         return outputs
@@ -386,6 +398,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             kv_transfer_params=req.kv_transfer_params,
             error=req.error,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:

@@ -9,7 +9,9 @@ Standard library only: the operator image (no torch, no nixl) imports this modul
 """
 from __future__ import annotations
 
+import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +37,9 @@ class ConnectorDeclaration:
     settings: tuple[ConnectorSetting, ...] = ()
     # True: the workers must share a filesystem (on Kubernetes a ReadWriteMany PVC, spec.kvTransfer.sharedStorage)
     needs_shared_storage: bool = False
+    # "package.module:function" that parses a request's kv_transfer_params, raising ValueError naming the bad
+    # field; the HTTP layer calls it before the request reaches the engine (a 400, not a failed request)
+    params_check: str | None = None
 
 
 _SIDE_CHANNEL_HOST = ConnectorSetting(
@@ -48,7 +53,8 @@ _SHARED_STORAGE_PATH = ConnectorSetting(
 
 CONNECTORS: dict[str, ConnectorDeclaration] = {d.name: d for d in (
     ConnectorDeclaration("NixlConnector", "disagg.worker.kv_transfer.nixl:NixlConnector",
-                         (_SIDE_CHANNEL_HOST, _SIDE_CHANNEL_PORT)),
+                         (_SIDE_CHANNEL_HOST, _SIDE_CHANNEL_PORT),
+                         params_check="disagg.worker.kv_transfer.nixl_params:parse_nixl_params"),
     ConnectorDeclaration("SharedStorageConnector", "disagg.worker.kv_transfer.shared_storage:SharedStorageConnector",
                          (_SHARED_STORAGE_PATH,), needs_shared_storage=True),
 )}
@@ -66,6 +72,15 @@ def all_settings() -> list[ConnectorSetting]:
 def declaration_of(connector: str) -> ConnectorDeclaration | None:
     """The declaration of a built-in connector; None for an out-of-tree 'module:Class' one."""
     return CONNECTORS.get(connector)
+
+
+def params_check_of(connector: str | None) -> Callable[[dict], object] | None:
+    """The declared kv_transfer_params check of a built-in connector (imported on first use), else None."""
+    declaration = CONNECTORS.get(connector or "")
+    if declaration is None or declaration.params_check is None:
+        return None
+    module, _, name = declaration.params_check.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def connector_problem(connector: str) -> str | None:

@@ -7,7 +7,7 @@ The connector (nixl.py) decides *which* blocks move and *when*; this module only
     SideChannelServer(t.local_metadata())    md = fetch_engine_metadata(host, port)
                                              r.add_peer(md)
                                              h = r.start_read(eid, local_ids, remote_ids, b"req-1")
-    t.get_new_notifs() -> [(agent, b"req-1")]   r.poll(h) -> "PROC" ... "DONE" | raises TransferFailed
+    t.get_new_notifs() -> [(agent, b"req-1")]   r.poll(h) -> PROC ... DONE | raises TransferFailed
                                              h = r.notify(eid, b"req-2")  (no KV moves; poll(h) the same way)
 
 The agent runs without NIXL's progress thread (it burns a core even when idle): progress happens
@@ -16,9 +16,15 @@ Not thread-safe: call every method from one thread (the worker's).
 
 Because the KV tensor is block-major, consecutive block ids are one byte range, and a read is
 posted as one descriptor per run where both the local and the remote ids are consecutive.
+
+The checks a READ must pass before it is posted (block ids, peer compatibility) and the errors are
+pure, in nixl_checks.py. Over 300 lines: what is left is one adapter over nixl's agent (memory, peers,
+transfers, cleanup), whose release rules (a dlist outlives its xfer; failed releases retried at close)
+must be read together.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec
+from disagg.worker.kv_transfer.nixl_checks import (
+    IncompatiblePeer,
+    InvalidBlockIds,
+    NixlTransportError,
+    TransferFailed,
+    UnknownPeer,
+    check_block_ids,
+    check_compatible,
+    coalesce,
+)
 from disagg.worker.kv_transfer.nixl_metrics import NixlTransferStats
 from disagg.worker.kv_transfer.side_channel import KV_LAYOUT, EngineMetadata, compat_hash, spec_compat_fields
 
@@ -35,92 +51,12 @@ _LOCAL_SIDE = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for "my own registered
 _SCRATCH_BYTES = 64  # registered beside the KV tensor: the destination of notify()'s one-byte read
 
 
-class NixlTransportError(Exception):
-    pass
+class TransferState(enum.Enum):
+    """A posted transfer's state; nixl's own strings ("PROC", "DONE", "ERR") stay inside this module."""
 
-
-class IncompatiblePeer(NixlTransportError):
-    """The peer's KV blocks mean something else here (other model, dtype, shape or layout)."""
-
-
-class InvalidBlockIds(NixlTransportError, ValueError):
-    pass
-
-
-class UnknownPeer(NixlTransportError):
-    pass
-
-
-class TransferFailed(NixlTransportError):
-    """A READ failed. The local destination blocks may be partly written: treat them as invalid.
-
-    nixl 1.5.1 reports failures as exceptions (e.g. nixlRemoteDisconnectError), not an "ERR"
-    state; the original one is `cause` (also __cause__)."""
-
-    def __init__(self, message: str, *, peer_engine_id: str, local_block_ids: list[int],
-                 remote_block_ids: list[int], notif_msg: bytes, cause: BaseException | None):
-        super().__init__(message)
-        self.peer_engine_id = peer_engine_id
-        self.local_block_ids = local_block_ids
-        self.remote_block_ids = remote_block_ids
-        self.notif_msg = notif_msg
-        self.cause = cause
-
-
-# ---------------------------------------------------------------- pure decisions
-
-
-def coalesce(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(local_start, remote_start, nblocks) runs, in order, where both sides are consecutive."""
-    if len(local_ids) != len(remote_ids):
-        raise InvalidBlockIds(f"{len(local_ids)} local block ids but {len(remote_ids)} remote block ids")
-    runs: list[tuple[int, int, int]] = []
-    for local, remote in zip(local_ids, remote_ids):
-        if runs:
-            l0, r0, n = runs[-1]
-            if local == l0 + n and remote == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
-                continue
-        runs.append((local, remote, 1))
-    return runs
-
-
-def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> None:
-    """Raise InvalidBlockIds naming every id that is negative, >= num_blocks, or repeated."""
-    out_of_range = sorted({b for b in block_ids if not 0 <= b < num_blocks})
-    seen: set[int] = set()
-    duplicates = sorted({b for b in block_ids if b in seen or seen.add(b)})  # type: ignore[func-returns-value]
-    problems = []
-    if out_of_range:
-        problems.append(f"out of range [0, {num_blocks}): {out_of_range}")
-    if duplicates:
-        problems.append(f"duplicated: {duplicates}")
-    if problems:
-        raise InvalidBlockIds(f"{what} block ids {'; '.join(problems)}")
-
-
-def check_compatible(local: EngineMetadata, peer: EngineMetadata) -> None:
-    """Raise IncompatiblePeer naming both hashes and each differing field."""
-    if peer.compat_hash != compat_hash(peer.compat):
-        raise IncompatiblePeer(
-            f"peer engine {peer.engine_id}: compat hash {peer.compat_hash} does not match its own fields {peer.compat}"
-        )
-    differing = [
-        f"{k} (local {local.compat.get(k)!r}, peer {peer.compat.get(k)!r})"
-        for k in sorted(set(local.compat) | set(peer.compat)) if local.compat.get(k) != peer.compat.get(k)
-    ]
-    if peer.compat_hash != local.compat_hash or differing:
-        raise IncompatiblePeer(
-            f"peer engine {peer.engine_id}: compat hash {peer.compat_hash} != local {local.compat_hash}; "
-            f"differs in {', '.join(differing) or 'nothing named (hash scheme differs)'}"
-        )
-    if peer.bytes_per_block != local.bytes_per_block:  # implied by the fields; checked since a READ trusts it
-        raise IncompatiblePeer(
-            f"peer engine {peer.engine_id}: bytes_per_block {peer.bytes_per_block} != local {local.bytes_per_block}"
-        )
-
-
-# ---------------------------------------------------------------- the adapter
+    PROC = "PROC"  # posted, not finished
+    DONE = "DONE"  # finished; its nixl handles are released
+    FAILED = "FAILED"  # raised TransferFailed; its local blocks may be partly written
 
 
 @dataclass
@@ -138,7 +74,7 @@ class ReadHandle:
     notif_msg: bytes
     num_descriptors: int  # coalesced runs
     nbytes: int
-    state: str = "PROC"  # PROC | DONE | FAILED
+    state: TransferState = TransferState.PROC
     control: bool = False  # notify(): carries a message, moves no KV (not counted as a transfer)
     error: TransferFailed | None = None
     post_time_s: float = 0.0
@@ -296,10 +232,10 @@ class NixlTransport:
         self._after_state(handle, state)
         return handle
 
-    def poll(self, handle: ReadHandle) -> str:
-        """"PROC" or "DONE" (handles released on DONE); raises TransferFailed (handles released)."""
-        if handle.state == "DONE":
-            return "DONE"
+    def poll(self, handle: ReadHandle) -> TransferState:
+        """PROC or DONE (handles released on DONE); raises TransferFailed (handles released)."""
+        if handle.state is TransferState.DONE:
+            return TransferState.DONE
         if handle.error is not None:
             raise handle.error
         try:
@@ -308,11 +244,6 @@ class NixlTransport:
             raise self._fail(handle, e, "the READ failed") from e
         self._after_state(handle, state)
         return handle.state
-
-    def release(self, handle: ReadHandle) -> None:
-        """Abandon a read (e.g. the request was aborted); its local blocks must be treated as invalid."""
-        if handle.state == "PROC":
-            self._fail(handle, None, "released before it finished", count=False)
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; also drives progress."""
@@ -359,9 +290,10 @@ class NixlTransport:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _after_state(self, handle: ReadHandle, state: str) -> None:
+        """Apply nixl's state string for the handle (from transfer() or check_xfer_state())."""
         if state == "DONE":
             xfer_time = time.perf_counter() - handle._t_post
-            handle.state = "DONE"
+            handle.state = TransferState.DONE
             self._release_handles(handle)
             if not handle.control:
                 self._stats.record_done(xfer_time, handle.post_time_s, handle.nbytes, handle.num_descriptors)
@@ -369,7 +301,7 @@ class NixlTransport:
             raise self._fail(handle, None, f"nixl reported state {state!r}")
 
     def _fail(self, handle: ReadHandle, cause: BaseException | None, what: str, count: bool = True) -> TransferFailed:
-        handle.state = "FAILED"
+        handle.state = TransferState.FAILED
         op = "notification to" if handle.control else f"READ of {len(handle.local_block_ids)} blocks from"
         handle.error = TransferFailed(
             f"engine {self.engine_id}: {op} peer {handle.peer_engine_id} (notif {handle.notif_msg[:64]!r}): {what}"

@@ -1,4 +1,5 @@
-"""Llama-family decoder over a paged KV cache, its checkpoint loader, tokenizer and the tiny default checkpoint."""
+"""Model families over a paged KV cache (registry.py maps config.json architectures to them; paged_attention.py
+is their shared KV-cache attention), the checkpoint loader, tokenizer and the tiny default checkpoint."""
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import CausalLM
 from disagg.worker.model.loader import load_model

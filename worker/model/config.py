@@ -1,4 +1,4 @@
-"""ModelConfig: the fields of a Hugging Face config.json that the Llama-family decoder needs.
+"""ModelConfig: the fields of a Hugging Face config.json that the registered model families need.
 
 Sliding-window attention (Mistral's `sliding_window`, Qwen2's `use_sliding_window`) is ignored:
 every layer attends to the whole context. That is exact for contexts shorter than the window.
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+from disagg.worker.model.registry import SUPPORTED_ARCHITECTURES, get_architecture
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -26,7 +27,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # a key of registry.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,12 +68,12 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (architectures={archs!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = get_architecture(arch)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
         rope = _rope_parameters(cfg)
         return cls(
@@ -89,8 +90,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
+            qkv_bias=family.qkv_bias or attention_bias,
+            o_bias=attention_bias and not family.qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_token_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),

@@ -2,19 +2,19 @@
 
 Module and parameter names follow the Hugging Face checkpoints, so a state dict loads as is.
 The batch is flat: T tokens from several requests, concatenated (see AttentionMetadata).
-Attention layers find the step's metadata and the KV cache through get_forward_context().
+Attention reads and writes the paged KV cache through paged_attention.PagedAttention, which finds
+the step's metadata and the KV cache through get_forward_context().
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from disagg.worker.model.config import ModelConfig, RopeScaling
+from disagg.worker.model.paged_attention import PagedAttention
 
 
 def _onednn_linear_op():
@@ -131,56 +131,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
-@dataclass
-class PagedIndex:
-    """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra)."""
-
-    kv_rows: torch.Tensor  # (layers, 2, T) row of each new token's K and V in the cache viewed as (rows, n_kv * hd)
-    decode_blocks: torch.Tensor  # (B_dec * n_blocks,) block ids of the decodes, padded to the longest
-    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it
-
-    @staticmethod
-    def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
-        num_layers, bs = kv_cache.shape[1], md.block_size
-        dev = md.slot_mapping.device
-        block_ids = torch.div(md.slot_mapping, bs, rounding_mode="floor")  # (T,)
-        # cache (num_blocks, layers, 2, block_size, ...): row = ((block * layers + layer) * 2 + kv) * bs + offset
-        slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,) layer 0, K
-        layer_kv = torch.arange(num_layers * 2, device=dev).view(num_layers, 2, 1) * bs  # (layers, 2, 1)
-        B = md.num_decodes
-        n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
-        decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
-        key_pos = torch.arange(n_blocks * bs, device=dev)  # (S,)
-        in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
-        # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
-        mask = torch.zeros(in_context.shape, dtype=kv_cache.dtype, device=dev).masked_fill_(~in_context, -math.inf)
-        return PagedIndex(slot_rows + layer_kv, decode_blocks, mask[:, None, None, :])
-
-
-def paged_index(ctx: ForwardContext) -> PagedIndex:
-    """The step's PagedIndex, built by the first layer that asks when ctx.extra can hold it."""
-    if ctx.extra is None:
-        return PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
-    index = ctx.extra.get("paged_index")
-    if index is None:
-        index = ctx.extra["paged_index"] = PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
-    return index
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.layer_name = f"model.layers.{layer_idx}.self_attn"
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
         d = config.hidden_size
         self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=config.qkv_bias)
         self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=config.o_bias)
+        self.attn = PagedAttention(layer_idx, f"model.layers.{layer_idx}.self_attn", self.n_heads,
+                                   self.n_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -188,110 +151,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        ctx = get_forward_context()
-        if ctx.attn_metadata is None:
-            out = self._attend(q, k, v, causal_offset=0)  # dummy run: one causal sequence, no cache
-        else:
-            out = self._paged_attention(ctx, q, k, v)
+        out = self.attn(q, k, v)  # (T, n_heads, head_dim)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
-
-    def _paged_attention(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        md = ctx.attn_metadata
-        kv_cache = ctx.kv_cache
-        if kv_cache is None:
-            raise ValueError(f"{self.layer_name}: attn_metadata is set but kv_cache is None")
-        if ctx.kv_connector is not None:
-            ctx.kv_connector.wait_for_layer_load(self.layer_name)
-        index = paged_index(ctx)
-        self._write_kv(kv_cache, md, index, k, v)
-        if ctx.kv_connector is not None:
-            ctx.kv_connector.save_kv_layer(self.layer_name, kv_cache, md)
-
-        layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
-        n_dec = md.num_decodes
-        if n_dec == len(md.seq_lens):
-            return self._decode_attention(index, layer_cache, q)
-        out = torch.empty_like(q)  # (T, n_heads, head_dim)
-        if n_dec:
-            out[:n_dec] = self._decode_attention(index, layer_cache, q[:n_dec])
-        for i in range(n_dec, len(md.seq_lens)):
-            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-            seq_len, q_len = md.seq_lens[i], end - start
-            if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
-                k_ctx, v_ctx = k[start:end], v[start:end]
-            else:
-                k_ctx, v_ctx = self._gather(layer_cache, md.block_tables[i : i + 1], md.block_size, seq_len)
-                k_ctx, v_ctx = k_ctx[0, :seq_len].to(q.dtype), v_ctx[0, :seq_len].to(q.dtype)
-            out[start:end] = self._attend(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - q_len)
-        return out
-
-    def _write_kv(
-        self, kv_cache: torch.Tensor, md: AttentionMetadata, index: PagedIndex, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store the new tokens' K and V (T, n_kv_heads, head_dim) at their slots of this layer."""
-        T = k.shape[0]
-        if not kv_cache.is_contiguous():  # a flat row view needs a contiguous cache: index the 6-d view
-            block_ids = torch.div(md.slot_mapping, md.block_size, rounding_mode="floor")  # (T,)
-            offsets = md.slot_mapping % md.block_size  # (T,)
-            layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim)
-            layer_cache[block_ids, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # (T, 2, n_kv, hd)
-            return
-        rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
-        k_rows, v_rows = index.kv_rows[self.layer_idx]  # (T,) each
-        # index_copy_ of whole rows: much cheaper than advanced-index assignment into the 6-d cache
-        rows.index_copy_(0, k_rows, k.reshape(T, -1).to(kv_cache.dtype))
-        rows.index_copy_(0, v_rows, v.reshape(T, -1).to(kv_cache.dtype))
-
-    def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
-        B, group = q.shape[0], self.n_heads // self.n_kv_heads
-        k, v = self._gather_blocks(layer_cache, index.decode_blocks, B)  # (B, S, n_kv_heads, head_dim)
-        # The query heads that share a KV head become that head's query rows: each K/V head is read
-        # once instead of once per query head (~2x faster than enable_gqa). No causal mask is needed,
-        # since every row sits at the newest position.
-        out = F.scaled_dot_product_attention(
-            q.view(B, self.n_kv_heads, group, self.head_dim),  # (B, n_kv_heads, group, head_dim)
-            k.transpose(1, 2).to(q.dtype),  # (B, n_kv_heads, S, head_dim)
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=index.decode_mask.to(q.dtype),  # (B, 1, 1, S)
-            scale=self.scale,
-        )
-        return out.reshape(B, self.n_heads, self.head_dim)
-
-    @staticmethod
-    def _gather(
-        layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks: each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
-        B, n_blocks = block_tables.shape[0], -(-max_len // block_size)
-        return Attention._gather_blocks(layer_cache, block_tables[:, :n_blocks].reshape(-1), B)
-
-    @staticmethod
-    def _gather_blocks(layer_cache: torch.Tensor, ids: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: (B * n_blocks,) -> K and V, each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
-        # index_select on dim 0 is a plain block copy, much faster than advanced indexing of the view
-        k = layer_cache[:, 0].index_select(0, ids)  # (B * n_blocks, block_size, n_kv_heads, head_dim)
-        v = layer_cache[:, 1].index_select(0, ids)
-        return k.view(B, -1, *k.shape[-2:]), v.view(B, -1, *v.shape[-2:])
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
-        """One sequence. q: (L, n_heads, hd); k, v: (S, n_kv, hd), S = L + causal_offset."""
-        L, S = q.shape[0], k.shape[0]
-        mask = None
-        if causal_offset:  # query j sits at position causal_offset + j and sees keys 0..causal_offset + j
-            key_pos = torch.arange(S, device=q.device)[None, :]  # (1, S)
-            mask = key_pos <= torch.arange(L, device=q.device)[:, None] + causal_offset  # (L, S)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # (1, n_heads, L, hd)
-            k.transpose(0, 1)[None],  # (1, n_kv_heads, S, hd)
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-        return out[0].transpose(0, 1)  # (L, n_heads, hd)
 
 
 class FeedForward(nn.Module):
@@ -332,7 +193,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(positions, x.dtype)  # (T, 1, head_dim)
+        cos, sin = self.rotary(positions, x.dtype)  # (T, 1, head_dim / 2) each
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)

@@ -1,4 +1,4 @@
-"""load_model: a Hugging Face checkpoint directory (config.json + *.safetensors) -> CausalLM.
+"""load_model: a Hugging Face checkpoint directory (config.json + *.safetensors) -> the registered model.
 
 The model is built on the meta device (no memory), then each parameter is materialised from
 its safetensors tensor one at a time, so at most one extra tensor exists beside the model.
@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from disagg.worker.model.config import DTYPE_NAMES, ModelConfig
-from disagg.worker.model.llama import CausalLM
+from disagg.worker.model.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> tuple[CausalLM, ModelConfig]:
+) -> tuple[torch.nn.Module, ModelConfig]:
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = model_class(config.architecture)(config)
     files = _weight_files(model_dir)
     expected = _expected_names(model)
     found: set[str] = set()
@@ -84,12 +84,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _expected_names(model: CausalLM) -> dict[str, torch.Size]:
+def _expected_names(model: torch.nn.Module) -> dict[str, torch.Size]:
     # named_parameters() lists a tied lm_head.weight once, under embed_tokens
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def _assign(model: CausalLM, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> None:
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> None:
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path)
     current = getattr(module, attr)

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from disagg.worker.model.config import DTYPE_NAMES, SUPPORTED_ARCHITECTURES
+from disagg.worker.model.config import DTYPE_NAMES
+from disagg.worker.model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from disagg.worker.model.tiny_corpus import CORPUS
 
 TOKENIZER_VOCAB_SIZE = 768
@@ -24,7 +25,6 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
     "{{ message['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
 def build_tokenizer() -> HFTokenizer:
@@ -106,7 +106,7 @@ def write_tiny_checkpoint(
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = {
         "architectures": [architecture],
-        "model_type": MODEL_TYPES[architecture],
+        "model_type": ARCHITECTURES[architecture].model_type,
         "vocab_size": vocab_size or n_tok,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -125,7 +125,7 @@ def write_tiny_checkpoint(
     }
     generator = torch.Generator().manual_seed(seed)
     weights = tiny_weights(
-        config, generator=generator, dtype=getattr(torch, dtype), qkv_bias=architecture == "Qwen2ForCausalLM"
+        config, generator=generator, dtype=getattr(torch, dtype), qkv_bias=ARCHITECTURES[architecture].qkv_bias
     )
     _write_json(path / "config.json", config)
     _write_weights(path, weights, sharded)

@@ -27,7 +27,7 @@ class CachedRequestState:
     block_ids: list[int]  # block table
     num_computed_tokens: int  # KV in cache before the current step
     sampling_params: SamplingParams
-    generator: torch.Generator | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)  # its own seed's; None: the engine's
 
 
 class ModelRunner:
@@ -38,6 +38,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         connector: KVConnectorBase | None = None,
+        seed: int = 0,
     ):
         self.model = model
         self.kv_cache = kv_cache  # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
@@ -45,6 +46,8 @@ class ModelRunner:
         self.device = device
         self.connector = connector  # worker-role connector or None
         self.requests: dict[str, CachedRequestState] = {}
+        # draws for requests without their own seed: the same seed and workload sample the same text
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         if connector is not None:
             connector.register_kv_caches({"kv_cache": kv_cache})
 
@@ -62,7 +65,6 @@ class ModelRunner:
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -89,7 +91,8 @@ class ModelRunner:
                 rows = torch.tensor([row for _, row in sample_rows], device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
                 states = [self.requests[r] for r, _ in sample_rows]
-                token_ids = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+                generators = [s.generator or self.generator for s in states]
+                token_ids = sample(logits, [s.sampling_params for s in states], generators)
                 for state, token_id in zip(states, token_ids):
                     state.token_ids.append(token_id)
                     sampled[state.req_id] = [token_id]

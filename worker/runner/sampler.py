@@ -9,7 +9,7 @@ from disagg.worker.engine.sampling_params import SamplingParams
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """logits: (B, vocab) float32. One generator per row (None = the default generator)."""
+    """logits: (B, vocab) float32. One generator per row (None = torch's global one)."""
     greedy_ids = logits.argmax(dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

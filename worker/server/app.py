@@ -135,7 +135,7 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> _Job:
         raise APIError(400, message, param=param) from None
     if req.model is not None and req.model != engine.served_model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
-    check_kv_transfer_params(req.kv_transfer_params)
+    check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
     prompt_ids = _prompt_token_ids(engine, req)
     sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex

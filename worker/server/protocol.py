@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_transfer.connectors import params_check_of
 
 
 class APIError(Exception):
@@ -106,38 +107,21 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
 
 
-_REMOTE_PREFILL_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "remote_engine_id": str, "remote_block_ids": list, "remote_host": str, "remote_port": int,
-    "remote_request_id": str,
-}
-
-
-def check_kv_transfer_params(params: Any) -> None:
-    """Reject what a connector could not act on, naming the field (raises APIError 400)."""
+def check_kv_transfer_params(params: Any, connector: str | None) -> None:
+    """Reject what the worker's connector could not act on, naming the field (raises APIError 400), with the
+    check the connector declares (kv_transfer/connectors.py)."""
     if params is None:
         return
-    if not isinstance(params, dict):
-        raise APIError(400, f"kv_transfer_params must be an object, got {type(params).__name__}",
+    if not connector:
+        raise APIError(400, "kv_transfer_params: this worker has no KV connector (--kv-connector)",
                        param="kv_transfer_params")
-    for flag in ("do_remote_decode", "do_remote_prefill"):
-        if flag in params and not isinstance(params[flag], bool):
-            raise APIError(400, f"kv_transfer_params.{flag} must be a boolean, got {params[flag]!r}",
-                           param=f"kv_transfer_params.{flag}")
-    if params.get("do_remote_prefill") and params.get("do_remote_decode"):
-        raise APIError(400, "kv_transfer_params: do_remote_prefill and do_remote_decode are exclusive",
-                       param="kv_transfer_params")
-    if params.get("do_remote_prefill"):
-        for name, typ in _REMOTE_PREFILL_FIELDS.items():
-            value = params.get(name)
-            if not isinstance(value, typ) or isinstance(value, bool):
-                raise APIError(400, f"kv_transfer_params.{name} must be {typ.__name__} with do_remote_prefill, "
-                               f"got {value!r}", param=f"kv_transfer_params.{name}")
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in params["remote_block_ids"]):
-            raise APIError(400, "kv_transfer_params.remote_block_ids must be non-negative integers",
-                           param="kv_transfer_params.remote_block_ids")
-        if not 0 < params["remote_port"] < 65536:
-            raise APIError(400, f"kv_transfer_params.remote_port {params['remote_port']} is not a port",
-                           param="kv_transfer_params.remote_port")
+    check = params_check_of(connector)
+    if check is None:  # an out-of-tree connector checks its own params in the engine
+        return
+    try:
+        check(params)
+    except ValueError as e:
+        raise APIError(400, str(e), param=getattr(e, "param", None) or "kv_transfer_params") from None
 
 
 # ---------------------------------------------------------------- responses

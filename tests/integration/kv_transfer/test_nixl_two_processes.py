@@ -20,6 +20,7 @@ from disagg.worker.kv_transfer.nixl_transport import (  # noqa: E402
     IncompatiblePeer,
     NixlTransport,
     TransferFailed,
+    TransferState,
     UnknownPeer,
     coalesce,
 )
@@ -63,7 +64,7 @@ def reader():
 
 def wait_done(transport: NixlTransport, handle, timeout: float = READ_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
-    while transport.poll(handle) != "DONE":
+    while transport.poll(handle) is not TransferState.DONE:
         assert time.monotonic() < deadline, f"read not done within {timeout}s"
 
 
@@ -146,7 +147,7 @@ def read_until_failure(b: NixlTransport, peer: str, deadline: float) -> Transfer
     while time.monotonic() < deadline:
         try:
             handle = b.start_read(peer, ids, ids, b"loop")
-            while b.poll(handle) != "DONE":
+            while b.poll(handle) is not TransferState.DONE:
                 assert time.monotonic() < deadline, "a read hung after its peer died"
         except TransferFailed as e:
             return e

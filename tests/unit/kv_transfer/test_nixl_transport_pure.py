@@ -7,7 +7,7 @@ import pytest
 
 from disagg.worker.kv_transfer.base import KVCacheSpec
 from disagg.worker.kv_transfer.nixl_metrics import NixlTransferStats, merge_stats
-from disagg.worker.kv_transfer.nixl_transport import (
+from disagg.worker.kv_transfer.nixl_checks import (
     IncompatiblePeer,
     InvalidBlockIds,
     check_block_ids,

@@ -31,13 +31,21 @@ GOOD_REMOTE = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_bloc
 ])
 def test_malformed_kv_transfer_params_name_the_field(params, param):
     with pytest.raises(APIError) as e:
-        check_kv_transfer_params(params)
+        check_kv_transfer_params(params, "NixlConnector")
     assert e.value.status == 400 and e.value.param == param
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_decode": True}, GOOD_REMOTE])
 def test_well_formed_kv_transfer_params_pass(params):
-    check_kv_transfer_params(params)
+    check_kv_transfer_params(params, "NixlConnector")
+
+
+def test_kv_transfer_params_on_a_worker_without_a_connector_are_rejected_not_ignored():
+    check_kv_transfer_params(None, None)
+    with pytest.raises(APIError) as e:
+        check_kv_transfer_params({"do_remote_decode": True}, None)
+    assert e.value.status == 400 and "no KV connector" in e.value.message
+    check_kv_transfer_params({"anything": 1}, "pkg.mod:Custom")  # out of tree: the connector checks its own
 
 
 def test_sampling_fields_map_to_sampling_params_and_reject_max_tokens_below_one():

@@ -1,0 +1,135 @@
+"""The NIXL connector's worker side: registers the KV tensor, serves the side channel, posts the READs
+the scheduler side planned, and reports finished sends/receives and failed blocks each step.
+
+Runs in the model runner's thread only (NixlTransport is not thread-safe). See nixl.py for the flow.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from disagg.worker.kv_transfer.base import KVCacheSpec
+from disagg.worker.kv_transfer.nixl_metadata import LoadSpec, NixlConnectorMetadata, NixlSettings, lease_over
+from disagg.worker.kv_transfer.nixl_transport import NixlTransport, ReadHandle, TransferFailed, TransferState
+from disagg.worker.kv_transfer.side_channel import SideChannelServer
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class NixlConnectorWorker:
+    def __init__(self, settings: NixlSettings, kv_cache_spec: KVCacheSpec):
+        self.settings = settings
+        self.kv_cache_spec = kv_cache_spec
+        self.transport: NixlTransport | None = None  # after register_kv_caches
+        self.side_channel: SideChannelServer | None = None
+        self._reads: dict[str, tuple[ReadHandle, LoadSpec]] = {}  # req_id -> in-flight read
+        self._sends: dict[str, float] = {}  # req_id -> lease deadline (monotonic s)
+        self._early_notifs: dict[str, float] = {}  # req_id -> when its notification beat its send record
+        self._done_sending: set[str] = set()  # reported by the next get_finished()
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()  # local block ids, reported by get_block_ids_with_load_errors()
+        self._num_expired = 0  # leases that ran out since the last stats
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        s = self.settings
+        self.transport = NixlTransport(s.engine_id, self.kv_cache_spec, kv_caches["kv_cache"])
+        self.transport.register()
+        self.side_channel = SideChannelServer(self.transport.local_metadata(), s.bind_host, s.port)
+        logger.info("NIXL connector: engine %s, %s KV registered, side channel %s:%d (advertised %s)",
+                    s.engine_id, self.transport.device_kind, s.bind_host, s.port, s.advertise_host)
+
+    def start_load_kv(self, meta: NixlConnectorMetadata) -> None:
+        for req_id, deadline in meta.sends.items():
+            if self._early_notifs.pop(req_id, None) is not None:
+                self._done_sending.add(req_id)
+            else:
+                self._sends[req_id] = deadline
+        for load in meta.loads:
+            self._start_read(load)
+
+    def _start_read(self, load: LoadSpec) -> None:
+        assert self.transport is not None, "register_kv_caches() before the first step"
+        try:
+            if lease_over(load.lease_expires_at, self.settings.lease_margin):
+                raise TimeoutError("the prefill engine's lease on this KV ran out before the read")
+            self.transport.add_peer(load.peer)
+            msg = load.remote_request_id.encode()
+            if load.local_block_ids:
+                handle = self.transport.start_read(load.peer.engine_id, load.local_block_ids,
+                                                   load.remote_block_ids, msg)
+            else:  # every needed block was cached here: only release the sender, tracked like a read so
+                handle = self.transport.notify(load.peer.engine_id, msg)  # the engine steps until it is out
+            self._reads[load.req_id] = (handle, load)
+        except Exception as e:  # noqa: BLE001 - any failure (nixl's errors share no base) invalidates these blocks
+            logger.warning("request %s: reading KV from %s failed: %s", load.req_id, load.peer.engine_id, e)
+            self._load_errors.update(load.local_block_ids)
+            self._done_recving.add(load.req_id)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self.transport is None:
+            return None, None
+        self._poll_reads()
+        now = time.monotonic()
+        self._take_notifs(now)
+        self._expire_leases(now)
+        sending, recving = self._done_sending, self._done_recving
+        self._done_sending, self._done_recving = set(), set()
+        return sending or None, recving or None
+
+    def _poll_reads(self) -> None:
+        for req_id, (handle, load) in list(self._reads.items()):
+            try:
+                state = self.transport.poll(handle)
+            except TransferFailed as e:
+                logger.warning("request %s: %s", req_id, e)
+                self._load_errors.update(load.local_block_ids)
+                state = TransferState.FAILED
+            if state is not TransferState.PROC:
+                del self._reads[req_id]
+                self._done_recving.add(req_id)
+
+    def _take_notifs(self, now: float) -> None:
+        """A reader's notification ends a send; one that arrives before its send record waits for it."""
+        for _agent, msg in self.transport.get_new_notifs():
+            req_id = msg.decode(errors="replace")
+            if self._sends.pop(req_id, None) is not None:
+                self._done_sending.add(req_id)
+            else:
+                self._early_notifs[req_id] = now
+
+    def _expire_leases(self, now: float) -> None:
+        lease = self.settings.lease_seconds
+        for req_id, deadline in list(self._sends.items()):
+            if now >= deadline:
+                del self._sends[req_id]
+                self._done_sending.add(req_id)
+                self._num_expired += 1
+                logger.warning("request %s: KV not pulled within the %.0fs lease; blocks freed", req_id, lease)
+        for req_id, t in list(self._early_notifs.items()):
+            if now - t > lease:
+                del self._early_notifs[req_id]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        if self.transport is None:
+            return None
+        stats = self.transport.drain_stats()
+        stats["num_kv_expired_reqs"], self._num_expired = self._num_expired, 0
+        if not stats["bytes"] and not stats["num_failed_transfers"] and not stats["num_kv_expired_reqs"]:
+            return None
+        return stats
+
+    def shutdown(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+            self.side_channel = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None

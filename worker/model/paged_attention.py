@@ -1,0 +1,163 @@
+"""Attention over the paged KV cache, shared by every model family.
+
+A family's attention layer projects q, k, v (and applies its position encoding), then calls
+PagedAttention, which: finds the step's metadata and KV cache in the forward context, calls the
+KV connector's per-layer hooks, writes the new tokens' K and V at their slots, and attends -
+decodes in one batched op over their block tables, prefill chunks one sequence at a time.
+Without metadata (a dummy run) it is plain causal attention over the given k, v.
+
+KV cache: (num_blocks, num_layers, 2, block_size, n_kv_heads, head_dim), contiguous (see
+kv_transfer/base.py); the batch is flat: T tokens of several requests (see AttentionMetadata).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+
+
+@dataclass
+class PagedIndex:
+    """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra)."""
+
+    kv_rows: torch.Tensor  # (layers, 2, T) row of each new token's K and V in the cache viewed as (rows, n_kv * hd)
+    decode_blocks: torch.Tensor  # (B_dec * n_blocks,) block ids of the decodes, padded to the longest
+    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it
+
+    @staticmethod
+    def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
+        if not kv_cache.is_contiguous():  # rows are addressed in a flat view of it
+            raise ValueError(f"the KV cache must be contiguous; got strides {kv_cache.stride()}")
+        num_layers, bs = kv_cache.shape[1], md.block_size
+        dev = md.slot_mapping.device
+        block_ids = torch.div(md.slot_mapping, bs, rounding_mode="floor")  # (T,)
+        # cache (num_blocks, layers, 2, block_size, ...): row = ((block * layers + layer) * 2 + kv) * bs + offset
+        slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,) layer 0, K
+        layer_kv = torch.arange(num_layers * 2, device=dev).view(num_layers, 2, 1) * bs  # (layers, 2, 1)
+        B = md.num_decodes
+        n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
+        decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
+        key_pos = torch.arange(n_blocks * bs, device=dev)  # (S,)
+        in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+        # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
+        mask = torch.zeros(in_context.shape, dtype=kv_cache.dtype, device=dev).masked_fill_(~in_context, -math.inf)
+        return PagedIndex(slot_rows + layer_kv, decode_blocks, mask[:, None, None, :])
+
+
+def paged_index(ctx: ForwardContext) -> PagedIndex:
+    """The step's PagedIndex, built by the first layer that asks when ctx.extra can hold it."""
+    if ctx.extra is None:
+        return PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
+    index = ctx.extra.get("paged_index")
+    if index is None:
+        index = ctx.extra["paged_index"] = PagedIndex.build(ctx.attn_metadata, ctx.kv_cache)
+    return index
+
+
+class PagedAttention(nn.Module):
+    """Scaled dot-product attention of one layer over the paged KV cache (no parameters)."""
+
+    def __init__(self, layer_idx: int, layer_name: str, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_name = layer_name  # what the KV connector's per-layer hooks are called with
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim) -> (T, n_heads, head_dim)."""
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None:
+            return self._attend(q, k, v, causal_offset=0)  # dummy run: one causal sequence, no cache
+        md = ctx.attn_metadata
+        kv_cache = ctx.kv_cache
+        if kv_cache is None:
+            raise ValueError(f"{self.layer_name}: attn_metadata is set but kv_cache is None")
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.wait_for_layer_load(self.layer_name)
+        index = paged_index(ctx)
+        self._write_kv(kv_cache, index, k, v)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.save_kv_layer(self.layer_name, kv_cache, md)
+
+        layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
+        n_dec = md.num_decodes
+        if n_dec == len(md.seq_lens):
+            return self._decode_attention(index, layer_cache, q)
+        out = torch.empty_like(q)  # (T, n_heads, head_dim)
+        if n_dec:
+            out[:n_dec] = self._decode_attention(index, layer_cache, q[:n_dec])
+        for i in range(n_dec, len(md.seq_lens)):
+            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+            seq_len, q_len = md.seq_lens[i], end - start
+            if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
+                k_ctx, v_ctx = k[start:end], v[start:end]
+            else:
+                k_ctx, v_ctx = _gather(layer_cache, md.block_tables[i : i + 1], md.block_size, seq_len)
+                k_ctx, v_ctx = k_ctx[0, :seq_len].to(q.dtype), v_ctx[0, :seq_len].to(q.dtype)
+            out[start:end] = self._attend(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - q_len)
+        return out
+
+    def _write_kv(self, kv_cache: torch.Tensor, index: PagedIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K and V (T, n_kv_heads, head_dim) at their slots of this layer."""
+        T = k.shape[0]
+        rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
+        k_rows, v_rows = index.kv_rows[self.layer_idx]  # (T,) each
+        # index_copy_ of whole rows: much cheaper than advanced-index assignment into the 6-d cache
+        rows.index_copy_(0, k_rows, k.reshape(T, -1).to(kv_cache.dtype))
+        rows.index_copy_(0, v_rows, v.reshape(T, -1).to(kv_cache.dtype))
+
+    def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
+        B, group = q.shape[0], self.n_heads // self.n_kv_heads
+        k, v = _gather_blocks(layer_cache, index.decode_blocks, B)  # (B, S, n_kv_heads, head_dim)
+        # The query heads that share a KV head become that head's query rows: each K/V head is read
+        # once instead of once per query head (~2x faster than enable_gqa). No causal mask is needed,
+        # since every row sits at the newest position.
+        out = F.scaled_dot_product_attention(
+            q.view(B, self.n_kv_heads, group, self.head_dim),  # (B, n_kv_heads, group, head_dim)
+            k.transpose(1, 2).to(q.dtype),  # (B, n_kv_heads, S, head_dim)
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=index.decode_mask.to(q.dtype),  # (B, 1, 1, S)
+            scale=self.scale,
+        )
+        return out.reshape(B, self.n_heads, self.head_dim)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
+        """One sequence. q: (L, n_heads, hd); k, v: (S, n_kv, hd), S = L + causal_offset."""
+        L, S = q.shape[0], k.shape[0]
+        mask = None
+        if causal_offset:  # query j sits at position causal_offset + j and sees keys 0..causal_offset + j
+            key_pos = torch.arange(S, device=q.device)[None, :]  # (1, S)
+            mask = key_pos <= torch.arange(L, device=q.device)[:, None] + causal_offset  # (L, S)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, n_heads, L, hd)
+            k.transpose(0, 1)[None],  # (1, n_kv_heads, S, hd)
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return out[0].transpose(0, 1)  # (L, n_heads, hd)
+
+
+def _gather(
+    layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks: each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
+    B, n_blocks = block_tables.shape[0], -(-max_len // block_size)
+    return _gather_blocks(layer_cache, block_tables[:, :n_blocks].reshape(-1), B)
+
+
+def _gather_blocks(layer_cache: torch.Tensor, ids: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: (B * n_blocks,) -> K and V, each (B, n_blocks * block_size, n_kv_heads, head_dim), contiguous."""
+    # index_select on dim 0 is a plain block copy, much faster than advanced indexing of the view
+    k = layer_cache[:, 0].index_select(0, ids)  # (B * n_blocks, block_size, n_kv_heads, head_dim)
+    v = layer_cache[:, 1].index_select(0, ids)
+    return k.view(B, -1, *k.shape[-2:]), v.view(B, -1, *v.shape[-2:])
