@@ -3,6 +3,7 @@ kubelet running pods as local processes, and the operator (kopf in a thread) - p
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -81,6 +82,12 @@ class Cluster:
                 os.environ[var] = value
         subprocess.run(["rm", "-rf", str(self.node_root)], check=False)
 
+    def register_claim(self, claim_name: str, host_dir: Path) -> None:
+        """The host directory that backs PersistentVolumeClaim `claim_name` (every pod mounting it shares it,
+        as with ReadWriteMany); pods using an unregistered claim wait in CreateContainerConfigError."""
+        assert self.kubelet is not None
+        self.kubelet.settings.claims[claim_name] = Path(host_dir)
+
     # ------------------------------------------------------------ driving it
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
         proc = subprocess.run([self.kubectl_path, f"--kubeconfig={self.kubeconfig}", *args], input=input,
@@ -93,7 +100,6 @@ class Cluster:
         return self.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(manifest))
 
     def patch_cr(self, name: str, patch: dict[str, Any]) -> str:
-        import json
         return self.kubectl("patch", "disaggregatedinference", name, "--type=merge", "-p", json.dumps(patch))
 
     def pods(self, selector: dict[str, str] | None = None) -> list[dict[str, Any]]:

@@ -195,7 +195,8 @@ class Kubelet:
         if "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
             if claim not in self.settings.claims:
-                raise ContainerConfigError(f"persistentvolumeclaim {claim!r} is not bound (no host directory registered)")
+                raise ContainerConfigError(f"persistentvolumeclaim {claim!r} is not bound "
+                                           "(no host directory registered for it)")
             return self.settings.claims[claim]
         raise ContainerConfigError(f"volume {volume['name']}: only emptyDir and persistentVolumeClaim are supported")
 

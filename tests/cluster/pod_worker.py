@@ -47,6 +47,7 @@ class Run:
     process: ContainerProcess | None = None
     probes: ContainerProbes | None = None
     restart_at: float = 0.0  # monotonic: when a crashed container may start again
+    starts: int = 0  # processes started; restartCount is one less
 
 
 class PodWorker:
@@ -153,6 +154,8 @@ class PodWorker:
         run.process = ContainerProcess(argv, env, mounts,
                                        bool(security.get("readOnlyRootFilesystem")),
                                        run.spec.get("workingDir") or "/", self.node.log_path(pod, run.spec))
+        run.starts += 1
+        run.state.restart_count = run.starts - 1
         run.state.running(run.process.pid)
         run.probes = ContainerProbes(run.spec, self.node.time_scale) if run in self.main else None
         self._report()
@@ -161,8 +164,7 @@ class PodWorker:
         assert run.process is not None
         run.process.kill_all()
         run.state.terminated(code)
-        run.state.restart_count += 1
-        backoff = min(BACKOFF_SECONDS * 2 ** (run.state.restart_count - 1), MAX_BACKOFF_SECONDS)
+        backoff = min(BACKOFF_SECONDS * 2 ** (run.starts - 1), MAX_BACKOFF_SECONDS)
         run.restart_at = time.monotonic() + backoff * self.node.time_scale
         run.state.waiting("CrashLoopBackOff", f"exit code {code}")
         run.process, run.probes = None, None

@@ -70,13 +70,19 @@ def delete_and_wait(cluster: Cluster, name: str, timeout: float = 90) -> float:
     pods = {p["metadata"]["name"] for p in cluster.pods({m.LABEL_INSTANCE: name})}
     cluster.kubectl("delete", "disaggregatedinference", name, "--wait=false")
 
-    def gone() -> bool:
-        running = {pod for pod in cluster.kubelet.pids() if pod in pods}
-        children = [d for d in cluster.store.list_objects("apps", "v1", "deployments")
-                    if d["metadata"]["name"].startswith(f"{name}-")]
-        return not running and not cluster.pods({m.LABEL_INSTANCE: name}) and not children \
-            and cluster.cr(name) is None
-    wait_for(gone, timeout, f"{name}'s pods and children to go", interval=0.2)
+    def left() -> dict[str, Any]:
+        """What still exists of the CR, its Deployments, its pods and their processes."""
+        return {k: v for k, v in {
+            "cr": cluster.cr(name) is not None,
+            "deployments": [d["metadata"]["name"] for d in cluster.store.list_objects("apps", "v1", "deployments")
+                            if d["metadata"]["name"].startswith(f"{name}-")],
+            "pods": [p["metadata"]["name"] for p in cluster.pods({m.LABEL_INSTANCE: name})],
+            "processes": {pod: pids for pod, pids in cluster.kubelet.pids().items() if pod in pods},
+        }.items() if v}
+    while remaining := left():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{timeout}s after deleting {name}, still there: {remaining}\n{cluster.logs()}")
+        time.sleep(0.2)
     return time.monotonic() - t0
 
 

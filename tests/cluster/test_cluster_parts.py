@@ -146,3 +146,14 @@ def test_deleting_an_owner_collects_its_dependents(cluster):
                   json={"metadata": {"name": "gc-child", "ownerReferences": [ref]}}).raise_for_status()
         http.delete("/api/v1/namespaces/default/configmaps/gc-owner").raise_for_status()
     assert cluster.store.get_object("", "v1", "configmaps", "default", "gc-child") is None
+
+
+def test_an_exited_container_is_restarted_with_its_restart_count(cluster, secret):
+    cluster.apply(_shell_pod("parts-crash", "echo run; exit 1", terminationGracePeriodSeconds=2))
+    status = wait_for(lambda: (p := cluster.store.get_object("", "v1", "pods", "default", "parts-crash"))
+                      and (p.get("status") or {}).get("containerStatuses", [{}])[0].get("restartCount", 0) >= 2
+                      and p["status"], 30, "two restarts")
+    assert status["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1, status
+    assert _log(cluster, "parts-crash").count("\nrun\n") >= 2
+    cluster.kubectl("delete", "pod", "parts-crash", "--wait=false")
+    wait_for(lambda: cluster.store.get_object("", "v1", "pods", "default", "parts-crash") is None, 15, "pod gone")
