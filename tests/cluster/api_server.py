@@ -4,6 +4,7 @@
   = now + grace, deletionGracePeriodSeconds = grace, from the request's gracePeriodSeconds or the pod's
   terminationGracePeriodSeconds, default 30); the pod goes away when the kubelet deletes it again with
   gracePeriodSeconds=0 after its containers stopped. An unbound pod is removed at once, as a real API server does.
+- CustomResourceDefinitions: creating one serves its kind (discovery, list/watch/patch, /status when declared).
 - garbage collection (background propagation): an object all of whose ownerReferences name owners (by uid) that
   no longer exist is deleted - by the same rules, so a Deployment's pods terminate gracefully.
 
@@ -20,10 +21,11 @@ import aiohttp.web
 import attrs
 import kmock
 
-from emulator import ApiStatus, KubeEmulator, ObjKey, ResKey
+from emulator import ApiStatus, Kind, KubeEmulator, ObjKey, ResKey
 
 DEFAULT_GRACE_SECONDS = 30
 POD: ResKey = ("", "v1", "pods")
+CRD: ResKey = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 
 
 def _stamp(seconds_from_now: float = 0.0) -> str:
@@ -42,7 +44,27 @@ def requested_grace(query: dict[str, str], body: Any) -> int | None:
 
 @attrs.define(kw_only=True)
 class ClusterApiServer(KubeEmulator):
-    """KubeEmulator + graceful pod deletion + garbage collection of orphaned dependents."""
+    """KubeEmulator + CRDs + graceful pod deletion + garbage collection of orphaned dependents."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.declare(*CRD, Kind("CustomResourceDefinition", namespaced=False, short_names=("crd",)))
+
+    async def _create(self, key: ResKey, ns: str | None, body: Any) -> dict[str, Any]:
+        out = await super()._create(key, ns, body)
+        if key == CRD:
+            self.serve_crd(out)
+        return out
+
+    def serve_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            if version.get("served", True):
+                self.declare(spec["group"], version["name"], names["plural"], Kind(
+                    names["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                    status_subresource="status" in (version.get("subresources") or {}),
+                    short_names=tuple(names.get("shortNames") or ())))
 
     async def _dispatch(self, request: kmock.Request, key: ResKey) -> Any:
         if request.method.value.upper() == "DELETE" and request.name is not None:

@@ -1,11 +1,14 @@
-"""The cluster-in-one-box tier: one cluster (API server, Deployment controller, kubelet, operator) shared by the
-scenarios of a run; each scenario applies a CR of its own and deletes it. On a failure the pods' logs are printed.
-Needs root (each pod runs in a mount namespace of its own); skipped otherwise."""
+"""The cluster-in-one-box tier: one cluster (API server, Deployment controller, kubelet, operator) per test module
+(started in ~2 s; gone before the next tier runs, so nothing of it outlives the tier); each scenario applies a
+CR of its own and deletes it. On a failure the pods' logs are printed. Needs root (each pod runs in a mount
+namespace of its own); skipped otherwise."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +18,7 @@ OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "integration" / "operator
 if str(OPERATOR_TESTS) not in sys.path:  # the emulator and the operator harness
     sys.path.insert(0, str(OPERATOR_TESTS))
 
-from cluster import Cluster  # noqa: E402
-from waiting import wait_for  # noqa: E402
+from cluster import NODE_PARENT, Cluster  # noqa: E402
 
 
 def _mount_namespaces_work() -> bool:
@@ -34,7 +36,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     setattr(item, f"rep_{call.when}", outcome.get_result())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if not _mount_namespaces_work():
         pytest.skip("the cluster tier needs root and `unshare --mount` (pods run in mount namespaces)")
@@ -57,11 +59,15 @@ def print_pod_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def checkpoint(cluster: Cluster) -> str:
+def checkpoint() -> Iterator[str]:
     """The tiny generated checkpoint "inside the image": a host directory outside /tmp, which pods replace."""
     from disagg.worker.model import write_tiny_checkpoint
 
-    return str(write_tiny_checkpoint(cluster.node_root / "image" / "tiny-llama"))
+    image = Path(tempfile.mkdtemp(prefix="cluster-image-", dir=NODE_PARENT))
+    try:
+        yield str(write_tiny_checkpoint(image / "tiny-llama"))
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -74,5 +80,3 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
 
-
-__all__ = ["wait_for"]
