@@ -21,6 +21,7 @@ from probes import ContainerProbes
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.1
 BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 10.0, 300.0  # CrashLoopBackOff, before time_scale
+PRESTOP_OVERRUN_SECONDS = 2.0
 
 
 class Node(Protocol):
@@ -183,6 +184,8 @@ class PodWorker:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            # as the kubelet: a preStop hook that used up the grace period leaves SIGTERM a last 2 seconds
+            deadline = max(deadline, time.monotonic() + PRESTOP_OVERRUN_SECONDS)
         run.process.signal(signal.SIGTERM)
         while run.process.exit_code() is None and time.monotonic() < deadline:
             if run.probes is not None and run.probes.tick(self.pod_ip) is None:
