@@ -42,6 +42,7 @@ class Cluster:
         self.kubelet: Kubelet | None = None
         self.operator: OperatorThread | None = None
         self._saved_env: dict[str, str | None] = {}
+        self._operator_log: logging.Handler | None = None
 
     @property
     def store(self) -> ClusterApiServer:
@@ -65,7 +66,12 @@ class Cluster:
         self.controller = DeploymentController(self.api.url, self.store).start()
         self.kubelet = Kubelet(self.api.url, self.store, NodeSettings(
             root=self.node_root, log_dir=self.log_dir, kubeconfig=self.kubeconfig, time_scale=self.time_scale)).start()
-        logging.getLogger("kopf").setLevel(logging.WARNING)
+        self._operator_log = logging.FileHandler(self.log_dir / "operator.log")  # printed with the pods' logs
+        self._operator_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._operator_log.addFilter(lambda r: "Timer 'resync' succeeded" not in r.getMessage())  # every 0.3 s
+        for name in ("kopf", "disagg.operator"):
+            logging.getLogger(name).addHandler(self._operator_log)
+            logging.getLogger(name).setLevel(logging.INFO)
         self.operator = OperatorThread().start()
         return self
 
@@ -77,6 +83,10 @@ class Cluster:
         if self.kubelet is not None:
             self.kubelet.stop()
         self.api.stop()
+        if self._operator_log is not None:
+            for name in ("kopf", "disagg.operator"):
+                logging.getLogger(name).removeHandler(self._operator_log)
+            self._operator_log.close()
         for var, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(var, None)
