@@ -42,6 +42,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING  # Events for warnings and errors only
     settings.watching.server_timeout = 300
     settings.watching.connect_timeout = 10
+    # a deleted resource keeps its finalizer until its resync timer (and autoscale daemon) stopped; a timer caught
+    # mid-pass is re-checked only every cancellation_polling seconds (kopf's default 60): deletes took a minute
+    settings.background.cancellation_polling = 1
     memo.exiting = threading.Event()  # shared by the per-object copies of memo
     if "kube" not in memo:
         memo.kube = KubeClient(load_connection())

