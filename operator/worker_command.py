@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from disagg.operator import spec as s
 from disagg.worker.kv_transfer.connectors import declaration_of
@@ -70,12 +70,15 @@ def _disagg_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: P
     return WorkerCommand(argv)
 
 
-def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, str]:
-    """vLLM's NixlConnector per role: prefill produces KV (kept until decode pulls it), decode consumes it.
-    The buffer is host memory without GPUs (vLLM's CPU build), device memory with them."""
-    return {"kv_connector": spec.kv_transfer.connector,
+def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
+    """vLLM's NixlConnector per role: prefill produces KV (kept for decode to pull for the lease), decode
+    consumes it. The buffer is host memory without GPUs (vLLM's CPU build), device memory with them."""
+    kv = spec.kv_transfer
+    return {"kv_connector": kv.connector,
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cuda" if s.worker_gpus(spec, role) else "cpu"}
+            "kv_buffer_device": "cuda" if s.worker_gpus(spec, role) else "cpu",
+            "kv_load_failure_policy": kv.load_failure_policy,
+            "kv_connector_extra_config": {"kv_lease_duration": kv.lease_seconds}}
 
 
 def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
@@ -83,15 +86,15 @@ def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Pla
     argv = [VLLM_EXECUTABLE, "serve", placement.model_dir, "--served-model-name", spec.model.served_name,
             "--host", placement.host, "--port", str(placement.port), "--dtype", spec.model.dtype,
             "--tensor-parallel-size", str(r.tensor_parallel_size),
-            "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(spec, role), separators=(",", ":"))]
+            "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(spec, role), separators=(",", ":")),
+            # SIGTERM: vLLM's default (0) aborts running requests; this drains them, inside the grace period
+            "--shutdown-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
     if spec.model.max_model_len is not None:
         argv += ["--max-model-len", str(spec.model.max_model_len)]
     env = {
         # the address decode workers reach this worker's NIXL side channel at (vLLM binds it too)
         "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.advertise_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(placement.side_channel_port),
-        # the KV lease: prefill frees blocks decode has not pulled after this long
-        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(spec.kv_transfer.lease_seconds),
     }
     return WorkerCommand(argv, env)
 

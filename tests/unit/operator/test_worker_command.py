@@ -193,8 +193,12 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     assert flag_value(argv, "--served-model-name") == doc["spec"]["model"]["servedName"]
     tp = doc["spec"][role]["tensorParallelSize"]
     assert flag_value(argv, "--tensor-parallel-size") == str(tp)
+    kv = doc["spec"]["kvTransfer"]
     assert json.loads(flag_value(argv, "--kv-transfer-config")) == {
-        "kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cuda"}
+        "kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cuda",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kv_lease_duration": kv["leaseSeconds"]}}
+    # SIGTERM drains running requests (vLLM's default aborts them) within the grace period
+    assert 1 <= int(flag_value(argv, "--shutdown-timeout")) < doc["spec"][role].get("terminationGracePeriodSeconds", 120)
     # engineArgs for both roles, then the role's extraArgs
     tail = [*doc["spec"]["engineArgs"], *doc["spec"][role].get("extraArgs", [])]
     assert argv[len(argv) - len(tail):] == tail
@@ -203,7 +207,6 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     # the kubelet expands $(POD_IP) only from variables declared before it
     assert list(env).index("POD_IP") < list(env).index("VLLM_NIXL_SIDE_CHANNEL_HOST")
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(m.SIDE_CHANNEL_PORT)
-    assert env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"]["value"] == str(doc["spec"]["kvTransfer"]["leaseSeconds"])
     assert {p["containerPort"] for p in pod["ports"]} == {m.HTTP_PORT, m.SIDE_CHANNEL_PORT}
     # vLLM has no /ready; every probe is on /health
     assert {pod[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
