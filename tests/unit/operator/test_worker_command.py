@@ -281,3 +281,22 @@ def test_disagg_up_runs_the_vllm_command_with_local_placement(tmp_path):
     assert local.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert local.url == f"http://127.0.0.1:{flag_value(local.argv, '--port')}"
     assert local.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != flag_value(local.argv, "--port")
+
+
+def test_disagg_up_with_engine_vllm_says_clearly_when_vllm_is_missing(tmp_path, monkeypatch, capsys):
+    from disagg.worker.local import launcher
+
+    doc = vllm_document()
+    doc["spec"]["model"]["source"] = {"path": str(tmp_path)}
+    doc["spec"].pop("engineImage")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    monkeypatch.delenv(launcher.VLLM_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no vllm there
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    assert launcher.run(parser.parse_args(["-f", str(spec_file)])) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "--vllm" in err and launcher.VLLM_ENV in err, err
+    assert launcher.run(parser.parse_args(["-f", str(spec_file), "--vllm", str(tmp_path / "nope")])) == 2
+    assert "not an executable" in capsys.readouterr().err
