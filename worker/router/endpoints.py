@@ -5,6 +5,9 @@ import itertools
 from dataclasses import dataclass, field
 
 
+# a busy worker may answer a probe late: only this many timeouts in a row take it out (an answer other than 200,
+# or a refused connection, takes it out at once)
+PROBE_TIMEOUTS_TO_UNREADY = 3
 # what a worker's /metrics says about its load: the same names on both engines (ours exports vLLM's)
 RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 
@@ -18,6 +21,7 @@ class Endpoint:
     ready_path: str | None = None  # /ready, or /health for a worker without /ready (vLLM); None: not known yet
     reported_load: float = 0.0  # running + waiting requests by its last /metrics (every router's requests)
     kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
+    probe_timeouts: int = 0  # readiness probes in a row that timed out
 
     def load(self) -> float:
         """This router's in-flight requests are counted at once, the worker's own count (which also holds other

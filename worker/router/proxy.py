@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from disagg.worker.router.endpoints import Endpoint, EndpointPool, load_from_metrics
+from disagg.worker.router.endpoints import PROBE_TIMEOUTS_TO_UNREADY, Endpoint, EndpointPool, load_from_metrics
 from disagg.worker.server.protocol import error_body, sse
 
 logger = logging.getLogger(__name__)
@@ -268,6 +268,10 @@ async def _probe(state: RouterState, ep: Endpoint) -> None:
         elif ep.ready_path is None:
             ep.ready_path = "/ready"
         ready = r.status_code == 200
+        ep.probe_timeouts = 0
+    except httpx.TimeoutException:
+        ep.probe_timeouts += 1
+        ready = ep.ready and ep.probe_timeouts < PROBE_TIMEOUTS_TO_UNREADY
     except httpx.HTTPError:
         ready = False
     if ready != ep.ready:

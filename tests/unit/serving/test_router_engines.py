@@ -29,7 +29,7 @@ def test_load_is_read_from_the_shared_metric_names():
 
 
 class Servers:
-    """url -> kind: 'vllm' (no /ready), 'disagg-ready', 'disagg-starting' (/ready 503), 'down'."""
+    """url -> kind: 'vllm' (no /ready), 'disagg-ready', 'disagg-starting' (/ready 503), 'down', 'slow'."""
 
     def __init__(self, kinds: dict[str, str]):
         self.kinds, self.paths = kinds, []
@@ -40,6 +40,8 @@ class Servers:
         self.paths.append((base, path))
         if kind == "down":
             raise httpx.ConnectError("refused", request=request)
+        if kind == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
         if path == "/metrics":
             return httpx.Response(200, text=VLLM_METRICS if kind == "vllm" else "vllm:num_requests_running 0\n")
         if path == "/v1/models":
@@ -88,3 +90,32 @@ def test_least_loaded_follows_the_workers_reported_load():
     # this router's own in-flight requests count at once, before the next scrape
     state.decode.endpoints[idle].outstanding = 6
     assert state.decode.pick().url == busy
+
+
+def test_a_ready_worker_that_answers_late_stays_ready_until_timeouts_repeat():
+    """On a starved machine a busy vLLM answers /health late now and then; one late answer must not leave the
+    pool without a decode endpoint (seen: 503s in a scale-down test). A refused connection counts at once."""
+    from disagg.worker.router.endpoints import PROBE_TIMEOUTS_TO_UNREADY
+
+    url = "http://w:1"
+    state, servers = probed({url: "vllm"}, rounds=1)
+    ep = state.decode.endpoints[url]
+    assert ep.ready
+
+    async def rounds(n: int) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
+            state.client = client
+            for _ in range(n):
+                await probe_once(state)
+
+    servers.kinds[url] = "slow"
+    asyncio.run(rounds(PROBE_TIMEOUTS_TO_UNREADY - 1))
+    assert ep.ready
+    asyncio.run(rounds(1))
+    assert not ep.ready
+    servers.kinds[url] = "vllm"
+    asyncio.run(rounds(1))
+    assert ep.ready and ep.probe_timeouts == 0
+    servers.kinds[url] = "down"
+    asyncio.run(rounds(1))
+    assert not ep.ready
