@@ -1,7 +1,7 @@
 """Autoscaling replay: a bursty trace against per-pod capacity models, three ways of provisioning.
 
-- ours: disagg.operator.autoscale.decide on the pods' exported metrics (queue, prompt tokens, TTFT, KV usage, ITL,
-  KV-transfer), projecting demand one pod start-up ahead.
+- ours: disagg.operator.autoscaling.policy.decide on the pods' exported metrics (queue, prompt tokens, TTFT,
+  KV usage, ITL, KV-transfer), projecting demand one pod start-up ahead.
 - static peak: fixed pools sized for the trace's busiest minute (spikes included) plus 10% headroom.
 - queue per role: each pool scaled on its own vllm:num_requests_waiting (the common KEDA recipe), same HPA
   machinery (tolerance, down window, step) so only the signals differ.
@@ -14,6 +14,7 @@ SLOs: TTFT <= 15x the prefill time of a 1024-token prompt; per-request mean ITL 
 
     python bench/autoscale_sim.py [--profile measured|gpu] [--duration 7200] [--seed 0]
     python bench/autoscale_sim.py --save-capacity cap.json   # measure once; replay with --capacity cap.json
+    python bench/autoscale_sim.py --profile gpu --plot autoscale.png   # load, replicas, SLO attainment over time
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ import time
 from autoscale_sim_capacity import GPU_H100_LLAMA8B, PodCapacity, measure_capacity
 from autoscale_sim_model import Simulation
 from autoscale_sim_trace import CHAT, GENERATE, RAG, TraceRequest, make_trace
+from plots import Timeline, plot_autoscaling, recording
 
-from disagg.operator.autoscale import ScalingHistory, decide
-from disagg.operator.autoscale_inputs import AutoscalePolicy, RoleBounds
+from disagg.operator.autoscaling.policy import ScalingHistory, decide
+from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleBounds
 
 INTERVAL_S = 15.0
 DOWN_WINDOW_S = 180.0
@@ -104,6 +106,12 @@ def score(sim: Simulation, ttft_slo: float, itl_slo: float) -> tuple[float, floa
     return 100 * sum(ttft_ok) / n, 100 * sum(itl_ok) / n, 100 * both / n
 
 
+def slos_met(sim: Simulation, ttft_slo: float, itl_slo: float) -> list[bool]:
+    """Per request (trace order): finished within both SLOs (for --plot's attainment over time)."""
+    return [0 <= r.first_token and r.first_token - r.spec.arrival <= ttft_slo and 0 <= r.finished and r.itl <= itl_slo
+            for r in sim.reqs]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", choices=["measured", "gpu"], default="measured")
@@ -115,6 +123,8 @@ def main() -> None:
     ap.add_argument("--dt", type=float, default=0.2)
     ap.add_argument("--save-capacity", metavar="JSON", help="write the capacity used (to replay a measured one)")
     ap.add_argument("--capacity", metavar="JSON", help="replay a capacity written by --save-capacity")
+    ap.add_argument("--plot", metavar="PNG", help="draw load, replicas per role and SLO attainment over time, "
+                    "ours vs the baselines (needs matplotlib: pip install -e '.[bench]')")
     args = ap.parse_args()
 
     if args.capacity:
@@ -166,12 +176,14 @@ def main() -> None:
     runs = [("ours (KV-transfer aware)", ours_controller(policy, reasons), (1, 1)),
             ("static peak", static_controller(p_static, d_static), (p_static, d_static)),
             ("queue per role (KEDA)", queue_controller(2, bounds), (1, 1))]
-    rows = []
+    rows, timelines, attainment = [], [], {}
     for name, controller, (p0, d0) in runs:
         t0 = time.perf_counter()
         sim = Simulation(cap, trace, fabric, {"prefill": p0, "decode": d0}, dt=args.dt)
-        end = sim.run(controller, INTERVAL_S, args.duration)
+        timelines.append(Timeline(name))
+        end = sim.run(recording(controller, timelines[-1]), INTERVAL_S, args.duration)
         ttft, itl, both = score(sim, ttft_slo, itl_slo)
+        attainment[name] = ([r.spec.arrival for r in sim.reqs], slos_met(sim, ttft_slo, itl_slo))
         rows.append((name, ttft, itl, both, sim.pod_seconds(end), time.perf_counter() - t0))
     static_ps = rows[1][4]
     print()
@@ -187,6 +199,11 @@ def main() -> None:
               (f"ours cost at or below queue-per-role: {ours[4]:.0f} vs {base[4]:.0f} pod-s", ours[4] <= base[4])]
     for text, ok in checks:
         print(f"  {'MET    ' if ok else 'NOT MET'} {text}")
+    if args.plot:
+        plot_autoscaling(args.plot, [r.arrival for r in trace], timelines, attainment, args.duration,
+                         f"Autoscaling replay ({cap.source.split(' (')[0]}): TTFT <= {ttft_slo:.2f} s, mean ITL <= "
+                         f"{itl_slo * 1e3:.0f} ms")
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

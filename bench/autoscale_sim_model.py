@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from autoscale_sim_capacity import PodCapacity
 from autoscale_sim_trace import TraceRequest
 
-from disagg.operator import metrics_source as m
-from disagg.operator.autoscale_inputs import PROMPT_TOKENS
-from disagg.operator.metrics_source import Histogram, PodSample
+from disagg.operator.autoscaling import samples as m
+from disagg.operator.autoscaling.samples import PROMPT_TOKENS, Histogram, PodSample
 
 TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)

@@ -9,6 +9,7 @@ serve the same generated checkpoint (head size 64, which vLLM's CPU attention ne
 
     python bench/pd_serving.py [--rates 2 4] [--num-requests 24] [--connector NixlConnector]
     DISAGG_VLLM=.venv-vllm/bin/vllm python bench/pd_serving.py --engine disagg vllm
+    python bench/pd_serving.py --plot pd.png   # also TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)
 
 The deployments run one after the other so they never share the CPU. Not a test.
 """
@@ -33,6 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 from disagg.worker.local.process import free_port, is_ready
+from plots import plot_latency_cdfs
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORDS = "the history of the city begins with a small harbour and a market where fishermen sold fish".split()
@@ -84,7 +86,7 @@ async def run_load(url: str, rate: float, n: int, prompt_words: int, max_tokens:
     ttfts = [t for t, _ in results]
     itls = [x for _, gaps in results for x in gaps]
     return {"ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_mean": statistics.mean(ttfts),
-            "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9)}
+            "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9), "ttfts": ttfts, "itls": itls}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -182,6 +184,7 @@ def main() -> int:
     p.add_argument("--connector", default="NixlConnector")
     p.add_argument("--engine", nargs="+", choices=["disagg", "vllm"], default=["disagg"],
                    help="engines to measure, one after the other (vllm: $DISAGG_VLLM or `vllm` on PATH)")
+    p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
     args = p.parse_args()
     if "vllm" in args.engine:
         vllm_executable()  # fail before measuring anything
@@ -230,6 +233,13 @@ def report(args: argparse.Namespace, results: dict[str, tuple[dict, dict]]) -> N
             print(f"{engine:>7} {rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x "
                   f"{q['ttft_p90'] / c['ttft_p90']:8.2f}x {q['itl_p50'] / c['itl_p50']:8.2f}x "
                   f"{q['itl_p90'] / c['itl_p90']:8.2f}x")
+    if args.plot:
+        runs = {f"{engine} {name}": r for engine, (colo, pd) in results.items()
+                for name, r in (("colocated", colo), (f"P/D ({args.connector})", pd))}
+        plot_latency_cdfs(args.plot, runs, f"P/D (router + 1 prefill + 1 decode) vs 1 colocated worker per engine: "
+                          f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
+                          f"{args.max_tokens} tokens out")
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
-    from disagg.operator.autoscaler import OperatorMetrics
+    from disagg.operator.autoscaling.cluster import OperatorMetrics
     from disagg.operator.handlers import build_registry
 
     # kopf installs the root log handler; ours (disagg.*) propagate to it

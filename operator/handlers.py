@@ -1,7 +1,7 @@
 """Thin kopf handlers: every trigger (create, update, resume, periodic resync) runs the same level-based pass;
 a daemon per resource with autoscaling on decides every spec.autoscaling.intervalSeconds (a daemon rather than
-a kopf timer: a timer's interval is fixed when it is registered, the spec's may change) and, unless dry run,
-runs the pass right after so the Deployments get the new replicas.
+a kopf timer: a timer's interval is fixed when it is registered, the spec's may change), writes the Deployments'
+replicas itself (unless dry run) and then runs the pass so status reports the scaled Deployments at once.
 
 Handlers are registered into a registry built here (no import-time global registry), so the resync interval is
 a parameter and tests can run the operator several times in one process.
@@ -17,10 +17,10 @@ from typing import Any
 import kopf
 
 from disagg.operator import spec as s
-from disagg.operator.autoscale import ScalingHistory
-from disagg.operator.autoscaler import AutoscaleResult, OperatorMetrics, autoscale
+from disagg.operator.autoscaling.cluster import AutoscaleResult, OperatorMetrics, autoscale
+from disagg.operator.autoscaling.scaling_pass import PassState
 from disagg.operator.kube import ApiError, KubeClient, TransientApiError, load_connection
-from disagg.operator.reconcile import PassResult, reconcile
+from disagg.operator.reconcile import PassResult, ReplicasReverted, reconcile
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,15 @@ def _reconcile_locked(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logg
         logger.info("wrote %s", ", ".join(result.children_written))
     if result.problems and result.status_written:  # first time seen for this generation: one Event
         kopf.warn(body, reason="InvalidSpec", message="; ".join(str(p) for p in result.problems))
-    for rv in result.replicas_reverted:
+    _report_reverted(body, result.replicas_reverted)
+    return result
+
+
+def _report_reverted(body: kopf.Body, reverted: list[ReplicasReverted]) -> None:
+    for rv in reverted:
         kopf.event(body, type="Warning", reason="ManualScaleReverted",
                    message=f"Deployment {rv.deployment} replicas set to {rv.found} outside the operator; "
                            f"restored {rv.restored} from {rv.source}")
-    return result
 
 
 def _run_pass(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger) -> PassResult | None:
@@ -124,23 +128,24 @@ def _autoscale_once(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) ->
         if memo.exiting.is_set():
             return None
         # in memory: after an operator restart no scale-down until one whole down window has been seen again
-        history = memo.get("scaling_history") or ScalingHistory()
+        state = memo.get("scaling_state") or PassState()
         now = memo.clock()
         try:
-            result = autoscale(copy.deepcopy(dict(body)), memo.kube, history, now,
+            result = autoscale(copy.deepcopy(dict(body)), memo.kube, state, now,
                                lambda: memo.clock().timestamp())
             if result is None:
                 return None
-            memo.scaling_history = result.history
+            memo.scaling_state = result.state
             memo.metrics.observe(body["metadata"]["namespace"], body["metadata"]["name"], result.decision)
-            if result.changes and not result.dry_run:
-                _reconcile_locked(body, memo, 0, logger)  # applies status.autoscaling.<role>.desired
+            if result.scaled:
+                _reconcile_locked(body, memo, 0, logger)  # status from the Deployments just scaled
         except (ApiError, kopf.TemporaryError) as e:  # the next interval tries again
             logger.warning("autoscaling pass failed: %s", e)
             return None
     for change in result.changes:
         logger.info("%s", change.message)
         kopf.event(body, type="Normal", reason=change.event_reason, message=change.message)
+    _report_reverted(body, result.replicas_reverted)
     if result.cost_failed:
         kopf.warn(body, reason="DeletionCostNotSet", message="; ".join(result.cost_failed))
     return result

@@ -1,5 +1,9 @@
 """One level-based pass: observe the children, build the desired state, write only the difference, rebuild
 status from what the children report. Knows nothing about kopf; the clock and the API client are injected.
+
+Replicas have one writer each, and status is never read to decide them: with autoscaling off (or in dry run)
+this pass applies spec.<role>.replicas; with it on, the autoscaler owns the worker Deployments' spec.replicas
+(as an HPA owns its target's scale) and this pass sets them only when it creates a Deployment.
 """
 from __future__ import annotations
 
@@ -43,15 +47,18 @@ class ReplicasReverted:
     deployment: str  # name
     found: int  # replicas someone else set
     restored: int  # what the operator wrote back
-    source: str  # where the restored number comes from, e.g. "status.autoscaling.decode.desired"
+    source: str  # where the restored number comes from, e.g. "spec.decode.replicas"
 
 
 # ---------------------------------------------------------------- children
+def _canonical(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
 def _stamped(desired: dict[str, Any]) -> dict[str, Any]:
     """The desired object carrying the JSON of itself in an annotation (canonical, without that annotation)."""
     out = json.loads(json.dumps(desired))
-    text = json.dumps(desired, sort_keys=True, separators=(",", ":"))
-    out["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = text
+    out["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = _canonical(desired)
     return out
 
 
@@ -73,11 +80,29 @@ def merge_patch(last: Any, desired: Any) -> Any:
     return desired
 
 
-def child_needs_write(desired: dict[str, Any], observed: dict[str, Any]) -> bool:
+def applied_replicas(deployment: dict[str, Any]) -> int:
+    """The replicas the operator last applied to a Deployment (by this pass or a scale), else what it holds."""
+    applied = _last_applied(deployment).get("spec", {}).get("replicas")
+    return int(applied if applied is not None else deployment.get("spec", {}).get("replicas", 0))
+
+
+def scale_patch(deployment: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """The merge patch that scales a Deployment we applied, keeping its last-applied annotation true."""
+    patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+    last = _last_applied(deployment)
+    if last:
+        last.setdefault("spec", {})["replicas"] = replicas
+        patch["metadata"] = {"annotations": {ANNOTATION_LAST_APPLIED: _canonical(last)}}
+    return patch
+
+
+def child_needs_write(desired: dict[str, Any], observed: dict[str, Any], live_replicas: bool = True) -> bool:
     if _last_applied(observed) != desired:
         return True
-    # replicas are compared live: a hand `kubectl scale` is drift the operator undoes
-    return desired["kind"] == "Deployment" and observed.get("spec", {}).get("replicas") != desired["spec"]["replicas"]
+    # replicas are compared live: a hand `kubectl scale` is drift the operator undoes (unless the autoscaler owns
+    # them: live_replicas False)
+    return live_replicas and desired["kind"] == "Deployment" and \
+        observed.get("spec", {}).get("replicas") != desired["spec"]["replicas"]
 
 
 def hand_set_replicas(desired: dict[str, Any], observed: dict[str, Any]) -> int | None:
@@ -90,17 +115,20 @@ def hand_set_replicas(desired: dict[str, Any], observed: dict[str, Any]) -> int 
     return found if found != want and applied == want else None
 
 
-def apply_child(cluster: Cluster, desired: dict[str, Any],
-                observed: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+def apply_child(cluster: Cluster, desired: dict[str, Any], observed: dict[str, Any] | None,
+                keep_replicas: bool = False) -> tuple[dict[str, Any], bool]:
     """Returns (the object as the server now holds it, whether we wrote). `observed`: the child as just read,
-    None when it does not exist."""
+    None when it does not exist. `keep_replicas`: someone else (the autoscaler) writes spec.replicas; `desired`
+    then carries applied_replicas(observed) and the patch leaves the live number alone."""
     meta = desired["metadata"]
     key = (desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
     if observed is None:
         return cluster.create(_stamped(desired)), True  # 409 if created meanwhile: transient, next pass patches
-    if not child_needs_write(desired, observed):
+    if not child_needs_write(desired, observed, live_replicas=not keep_replicas):
         return observed, False
     patch = merge_patch(_last_applied(observed), desired)
+    if keep_replicas:  # a new dict: merge_patch may hand back parts of `desired` itself
+        patch["spec"] = {k: v for k, v in patch["spec"].items() if k != "replicas"}
     patch["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = \
         _stamped(desired)["metadata"]["annotations"][ANNOTATION_LAST_APPLIED]
     return cluster.patch(*key, patch), True
@@ -142,22 +170,21 @@ def with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], 
     return new
 
 
-def worker_replicas(spec: s.DisaggregatedInferenceSpec, status: dict[str, Any]) -> dict[str, tuple[int, str]]:
-    """role -> (replicas the pool should run, where that number comes from). With autoscaling on (and not dry
-    run) the autoscaler's status.autoscaling.<role>.desired wins over spec.<role>.replicas, moved into
-    min/max, so this pass and the autoscaler never fight."""
-    a = spec.autoscaling
-    scaled = status.get("autoscaling") or {}
-    out: dict[str, tuple[int, str]] = {}
+def autoscaler_owns_replicas(spec: s.DisaggregatedInferenceSpec) -> bool:
+    """The autoscaler writes the worker Deployments' replicas (a dry run only reports)."""
+    return spec.autoscaling.enabled and not spec.autoscaling.dry_run
+
+
+def worker_replicas(spec: s.DisaggregatedInferenceSpec) -> dict[str, int]:
+    """role -> the replicas this pass gives a worker Deployment: spec.<role>.replicas; when the autoscaler owns
+    them, moved into min/max (and used only to create the Deployment)."""
+    out: dict[str, int] = {}
     for role in WORKER_ROLES:
-        n, source = getattr(spec, role).replicas, f"spec.{role}.replicas"
-        if a.enabled and not a.dry_run:
-            wanted = (scaled.get(role) or {}).get("desired")
-            if wanted is not None and not scaled.get("dryRun"):
-                n, source = int(wanted), f"status.autoscaling.{role}.desired"
-            bounds: s.ReplicaBounds = getattr(a, role)
+        n = getattr(spec, role).replicas
+        if autoscaler_owns_replicas(spec):
+            bounds: s.ReplicaBounds = getattr(spec.autoscaling, role)
             n = min(max(n, bounds.min_replicas), bounds.max_replicas)
-        out[role] = (n, source)
+        out[role] = n
     return out
 
 
@@ -204,26 +231,28 @@ class _Applied:
     desired: dict[str, dict] | None = None  # role -> the Deployment we want; None: spec rejected
 
 
-def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec,
-                   status: dict[str, Any]) -> _Applied:
-    replicas = worker_replicas(spec, status)
+def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec) -> _Applied:
+    owned_elsewhere = autoscaler_owns_replicas(spec)
     spec = spec.model_copy(deep=True)
-    for role, (n, _) in replicas.items():
+    for role, n in worker_replicas(spec).items():
         getattr(spec, role).replicas = n
     out = _Applied(desired={})
     for child in m.desired_children(owner, spec):
         meta = child["metadata"]
         observed = cluster.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        found = hand_set_replicas(child, observed) if observed is not None else None
-        current, wrote = apply_child(cluster, child, observed)
+        role = meta["labels"].get(m.LABEL_COMPONENT) if child["kind"] == "Deployment" else None
+        keep = owned_elsewhere and role in WORKER_ROLES and observed is not None
+        if keep:  # the autoscaler's number, as it last applied it
+            child["spec"]["replicas"] = applied_replicas(observed)  # type: ignore[arg-type]
+        found = hand_set_replicas(child, observed) if observed is not None and not keep else None
+        current, wrote = apply_child(cluster, child, observed, keep_replicas=keep)
         if wrote:
             out.written.append(f"{child['kind']}/{meta['name']}")
-        if child["kind"] == "Deployment":
-            role = meta["labels"][m.LABEL_COMPONENT]
-            out.deployments[role], out.desired[role] = current, child  # type: ignore[index]
+        if role is not None:
+            out.deployments[role], out.desired[role] = current, child
             if found is not None:
-                source = replicas[role][1] if role in replicas else "spec.router.replicas"
-                out.reverted.append(ReplicasReverted(meta["name"], found, child["spec"]["replicas"], source))
+                out.reverted.append(ReplicasReverted(meta["name"], found, child["spec"]["replicas"],
+                                                     f"spec.{role}.replicas"))
     return out
 
 
@@ -245,7 +274,7 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
         for r in ROLES:  # report what runs, touch nothing
             applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
     else:
-        applied = apply_children(cluster, owner, spec, old_status)
+        applied = apply_children(cluster, owner, spec)
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}
     written, reverted = applied.written, applied.reverted
     status = build_status(generation, applied.deployments, applied.desired, problems, extra)

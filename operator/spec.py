@@ -177,7 +177,7 @@ class PodPlacement(_Model):
 class RoleSpec(PodPlacement):
     """A prefill or a decode pool."""
     replicas: int = Field(1, ge=0, le=1000, description="With autoscaling on, only the starting point (moved into "
-                          "min/max); then the autoscaler's status.autoscaling.<role>.desired is applied.")
+                          "min/max) when the Deployment is created; then the autoscaler sets its replicas.")
     resources: WorkerResources = Field(default_factory=WorkerResources)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     env: list[EnvVar] = Field(default_factory=list)
@@ -201,7 +201,7 @@ class RouterSpec(PodPlacement):
     extra_args: list[str] = Field(default_factory=list)
 
 
-# ---------------------------------------------------------------- autoscaling (policy lives in autoscale*.py)
+# ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)
 class ReplicaBounds(_Model):
     min_replicas: int = Field(1, ge=0, le=1000)
     max_replicas: int = Field(4, ge=1, le=1000)

@@ -1,26 +1,29 @@
 """`disagg up`'s worker processes as a small local Deployment per role (`WorkerSet`), and the operator's autoscaling
-policy acting on them (`LocalAutoscaler`): every spec.autoscaling.intervalSeconds, scrape each serving worker's
-/metrics, `decide()`, then start or retire processes.
+pass acting on them (`LocalAutoscaler`): every spec.autoscaling.intervalSeconds, the same pass as the operator's
+(disagg.operator.autoscaling.scaling_pass: scrape each serving worker's /metrics, decide, choose who leaves, report);
+only applying it differs: start or retire processes.
 
 The router follows an endpoints file that only this module writes. A worker leaves without losing work: it is
 taken out of the file first, SIGTERM follows once the router no longer lists it, and the worker's drain finishes
-its running requests and keeps KV not yet pulled until read or the lease ends. The least-loaded worker of the role
-(running + waiting requests + pending KV, by its last sample) is the one that leaves.
+its running requests and keeps KV not yet pulled until read or the lease ends. The pass picks who leaves: a worker
+still starting, else the least loaded (running + waiting requests + pending KV, by its last sample), else the newest.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from disagg.operator import metrics_source as ms
-from disagg.operator.autoscale import Decision, ScalingHistory, decide
-from disagg.operator.autoscale_inputs import ROLES, policy_from_spec
+from disagg.operator.autoscaling import sources
+from disagg.operator.autoscaling.inputs import ROLES, policy_from_spec
+from disagg.operator.autoscaling.policy import Decision
+from disagg.operator.autoscaling.report import decision_json, scaling_line
+from disagg.operator.autoscaling.samples import PodSample
+from disagg.operator.autoscaling.scaling_pass import PassState, run_pass
 from disagg.worker.local.process import LocalProcess, ProcessSpec, is_ready
 from disagg.worker.router.discovery import write_endpoints
 
@@ -75,12 +78,16 @@ class WorkerSet:
         self.say(f"  {proc.spec.name:<10} starting  {proc.spec.url}")
         return proc
 
-    def retire(self, role: str, n: int, loads: dict[str, float]) -> list[LocalProcess]:
-        """Take the n least-loaded active workers of `role` out of the endpoints file; SIGTERM comes in step()."""
-        victims = choose_victims(self.active(role), loads, n)
+    def newest_first(self, role: str) -> list[str]:
+        """The active workers' names, the newest (highest index) first: who leaves on a tie."""
+        return [p.spec.name for p in sorted(self.active(role), key=_index, reverse=True)]
+
+    def retire(self, role: str, names: list[str]) -> list[LocalProcess]:
+        """Take these active workers of `role` out of the endpoints file; SIGTERM comes in step()."""
+        victims = [p for p in self.active(role) if p.spec.name in names]
         for p in victims:
             self._set(p, LEAVING)
-            self.say(f"  {p.spec.name:<10} leaving   {p.spec.url} (load {loads.get(p.spec.name, 0):.0f})")
+            self.say(f"  {p.spec.name:<10} leaving   {p.spec.url}")
         self.write_endpoints()
         return victims
 
@@ -131,29 +138,22 @@ class WorkerSet:
                  "pid": p.popen.pid if p.popen else None} for p in list(self.workers)]
 
 
-def choose_victims(candidates: list[LocalProcess], loads: dict[str, float], n: int) -> list[LocalProcess]:
-    """Not-yet-serving workers first (no load), then the least loaded; ties: the newest (highest index)."""
-    def key(p: LocalProcess) -> tuple:
-        index = int(p.spec.name.rsplit("-", 1)[1])
-        return (p.state != STARTING, loads.get(p.spec.name, 0.0), -index)
-    return sorted(candidates, key=key)[:max(n, 0)]
-
-
-load_of = ms.pod_load  # work a worker would have to finish while draining (the operator ranks pods the same way)
+def _index(p: LocalProcess) -> int:
+    return int(p.spec.name.rsplit("-", 1)[1])
 
 
 # ---------------------------------------------------------------- the autoscaling loop
 class LocalAutoscaler:
     def __init__(self, autoscaling: Any, workers: WorkerSet, say: Callable[[str], None],
                  clock: Callable[[], float] = time.time,
-                 scrape: Callable[[list[LocalProcess]], list[ms.PodSample]] | None = None):
+                 scrape: Callable[[list[LocalProcess]], list[PodSample]] | None = None):
         self.spec = autoscaling  # spec.autoscaling
         self.scrape = scrape or (lambda procs: scrape_all(procs, autoscaling.metrics_source.timeout_seconds, clock))
         self.policy = policy_from_spec(autoscaling)
         self.workers = workers
         self.say = say
         self.clock = clock
-        self.history = ScalingHistory()
+        self.state = PassState()  # what one pass hands the next
         self.last_decision: dict[str, Any] | None = None  # for /status
         self.events: list[dict[str, Any]] = []  # decisions that changed (dry run: would change) a role, newest last
         if autoscaling.metrics_source.type != "scrape":
@@ -161,75 +161,27 @@ class LocalAutoscaler:
                 f"{autoscaling.metrics_source.type!r} is ignored")
 
     def tick(self) -> Decision:
-        samples = self.scrape(self.workers.serving())
-        by_role = {role: [s for s in samples if s.role == role] for role in ROLES}
-        current = self.workers.counts()
-        decision = decide(by_role, current, self.policy, self.history, self.clock())
-        self.history = decision.history
-        self.last_decision = decision_json(decision, self.spec.dry_run)
-        loads = {s.pod: load_of(s) for s in samples if not s.missing}
-        for role, d in decision.roles.items():
-            if d.desired == d.current:
+        outcome = run_pass(lambda: self.scrape(self.workers.serving()),
+                           {role: self.workers.newest_first(role) for role in ROLES}, self.workers.counts(),
+                           self.policy, self.state, self.clock(), self.spec.dry_run)
+        self.state = outcome.state
+        self.last_decision = decision_json(outcome.decision, self.spec.dry_run)
+        for change in outcome.changes:
+            self.events = [*self.events, change.as_json()][-MAX_EVENTS:]
+            self.say(scaling_line(change))
+            if self.spec.dry_run:
                 continue
-            event = {"time": iso(decision.time), "role": role, "from": d.current, "to": d.desired, "reason": d.reason,
-                     "dryRun": self.spec.dry_run, "metrics": role_metrics(decision, role)}
-            if self.spec.dry_run and self._repeats(event):
-                continue  # nothing changes in a dry run: report a would-be change once, not every interval
-            self.events = [*self.events, event][-MAX_EVENTS:]
-            self.say(scaling_line(event))
-            if not self.spec.dry_run:
-                self._apply(role, d.current, d.desired, loads)
+            for _ in range(change.to_replicas - change.from_replicas):
+                self.workers.add(change.role)
+            if change.role in outcome.removals:
+                self.workers.retire(change.role, outcome.removals[change.role])
         logger.debug("autoscale decision: %s", self.last_decision)  # every tick; the console shows changes
-        return decision
-
-    def _repeats(self, event: dict[str, Any]) -> bool:
-        last = next((e for e in reversed(self.events) if e["role"] == event["role"]), None)
-        return last is not None and all(last[k] == event[k] for k in ("from", "to", "reason"))
-
-    def _apply(self, role: str, current: int, desired: int, loads: dict[str, float]) -> None:
-        for _ in range(desired - current):
-            self.workers.add(role)
-        if desired < current:
-            self.workers.retire(role, current - desired, loads)
+        return outcome.decision
 
     def status(self) -> dict[str, Any]:
         return {"enabled": True, "dryRun": self.spec.dry_run, "intervalSeconds": self.spec.interval_seconds,
                 "lastDecision": self.last_decision, "events": self.events}
 
 
-def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float]) -> list[ms.PodSample]:
-    return ms.scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)
-
-
-# ---------------------------------------------------------------- reporting (pure)
-def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-# not named after the role but signals of it: KV waiting at prefill to be pulled, or left unpulled until its lease
-# ran out, means decode is short
-CROSS_ROLE_SIGNALS = {"decode": ("prefill_pending_sends_per_pod", "expired_leases")}
-
-
-def role_metrics(decision: Decision, role: str) -> dict[str, float]:
-    """The decision's numbers behind this role's change (its own, transfers and cross-role signals), without the
-    ones nobody measured."""
-    extra = CROSS_ROLE_SIGNALS.get(role, ())
-    return {k: round(v, 4) for k, v in decision.metrics.items()
-            if v is not None and (k.startswith(f"{role}_") or k.startswith("xfer_") or k in extra)}
-
-
-def scaling_line(event: dict[str, Any]) -> str:
-    values = " ".join(f"{k}={v:g}" for k, v in event["metrics"].items())
-    dry = " (dry run)" if event["dryRun"] else ""
-    change = f"{event['role']} {event['from']} -> {event['to']} ({event['reason']})"
-    return f"[{event['time']}] autoscale{dry}: {change} {values}"
-
-
-def decision_json(d: Decision, dry_run: bool) -> dict[str, Any]:
-    return {"time": iso(d.time), "reason": d.reason, "bottleneck": d.bottleneck, "dryRun": dry_run,
-            "roles": {r: {"current": x.current, "desired": x.desired, "reason": x.reason,
-                          "recommendation": x.recommendation, "limitedBy": x.limited_by} for r, x in d.roles.items()},
-            "metrics": d.metrics,
-            "conditions": [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
-                           for c in d.conditions]}
+def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float]) -> list[PodSample]:
+    return sources.scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)

@@ -24,6 +24,9 @@ class RouterMetrics:
                                      registry=self.registry)
         self.requests = Counter("disagg:router_requests", "Client requests, by outcome.",
                                 (*LABELS, "outcome"), registry=self.registry)
+        self.decode_alone = Counter("disagg:router_decode_alone", "Client requests the decode worker computed "
+                                    "alone: prefill endpoints are configured but none gave KV.", LABELS,
+                                    registry=self.registry)
         self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
                               "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
 
@@ -35,6 +38,9 @@ class RouterMetrics:
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.model_name, "router", outcome).inc()
+
+    def fell_back_to_decode_alone(self) -> None:
+        self.decode_alone.labels(self.model_name, "router").inc()
 
     def first_byte(self, seconds: float) -> None:
         self.ttft.labels(self.model_name, "router").observe(seconds)

@@ -132,6 +132,8 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
             return outcome
         kv_params, prefill_revision = outcome
         revision = {prefill_revision} if kv_params else None
+        if not kv_params:
+            state.metrics.fell_back_to_decode_alone()
     return await _decode_hop(state, path, body, kv_params, headers, stream=bool(body.get("stream")),
                              revisions=revision)
 

@@ -40,7 +40,7 @@ from helm_cli import template  # noqa: E402
 from operator_harness import CR, EXAMPLES  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
-from disagg.operator import autoscaler as sc  # noqa: E402
+from disagg.operator.autoscaling import cluster as sc  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
 from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402

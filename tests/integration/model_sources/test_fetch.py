@@ -2,7 +2,6 @@
 real servers on loopback: a Hub-compatible server, a plain HTTP file server, moto's S3 server."""
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys

@@ -19,7 +19,7 @@ class OperatorThread:
     """kopf.operator() in a daemon thread with its own loop; stop() returns in well under a second."""
 
     def __init__(self, resync_seconds: float = RESYNC_SECONDS):
-        from disagg.operator.autoscaler import OperatorMetrics
+        from disagg.operator.autoscaling.cluster import OperatorMetrics
         from disagg.operator.handlers import build_registry
         self.registry = build_registry(resync_seconds)
         self.metrics = OperatorMetrics()  # the operator's Prometheus registry, for tests to read

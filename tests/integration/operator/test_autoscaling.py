@@ -17,7 +17,7 @@ from test_operator import NAME, NS, children_created, cr, create, deployment, pl
 from emulator import EmulatorThread
 from waiting import wait_for
 
-from disagg.operator import autoscaler as sc
+from disagg.operator.autoscaling import cluster as sc
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
@@ -167,4 +167,4 @@ def test_manual_replica_edit_is_reverted_with_an_event(cluster, operator, exampl
     assert replicas(cluster, "decode") == 2
     assert event["type"] == "Warning"
     assert event["message"] == (f"Deployment {NAME}-decode replicas set to 5 outside the operator; restored 2 "
-                                "from status.autoscaling.decode.desired")
+                                f"from {sc.REVERTED_SOURCE}")

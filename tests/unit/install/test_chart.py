@@ -103,7 +103,8 @@ def test_rendered_manifests_are_valid(scenario, render):
             if doc["kind"] in ("KopfPeering", "ClusterKopfPeering"):
                 OAS30Validator(crd_schemas[("kopf.dev", doc["kind"])]["openAPIV3Schema"]).validate(doc)
             else:
-                assert doc["kind"] == "PodMonitor", f"unexpected custom resource {doc['kind']}"
+                # PrometheusRule: tests/unit/install/test_monitoring.py (promtool)
+                assert doc["kind"] in ("PodMonitor", "PrometheusRule"), f"unexpected custom resource {doc['kind']}"
             continue
         for version in K8S_VERSIONS:
             try:
@@ -240,7 +241,8 @@ def test_worker_pod_monitor_selects_every_worker_pod_and_its_metrics_port(render
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert set(pm["spec"]["podTargetLabels"]) <= labels.keys()
         assert endpoint["port"] in {p["name"] for p in tpl["spec"]["containers"][0]["ports"]}
-    assert render("-f", CHART / "ci" / "monitoring-values.yaml")[-1]["spec"]["namespaceSelector"] == {"any": True}
+    (pm,) = by_kind(render("-f", CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
 
 
 def test_operator_metrics_endpoint_and_its_pod_monitor(render):
@@ -256,6 +258,9 @@ def test_operator_metrics_endpoint_and_its_pod_monitor(render):
     assert pm["spec"]["namespaceSelector"] == {"matchNames": [w["metadata"]["namespace"]]}
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
+    # the series' own namespace label (the resource's) must win over the operator pod's: the dashboard and alerts
+    # select operator metrics by the resource's namespace
+    assert endpoint["honorLabels"] is True
 
 
 @pytest.mark.parametrize("values, message", [

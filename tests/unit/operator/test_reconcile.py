@@ -126,9 +126,11 @@ def test_spec_change_patches_only_what_changed_and_drops_removed_keys():
     assert "nodeSelector" not in dep["spec"]["template"]["spec"]
 
 
-def test_hand_scaling_is_undone():
+def test_hand_scaling_is_undone_without_autoscaling():
     cluster = FakeCluster()
-    cluster.add_resource(example())
+    doc = example()
+    doc["spec"]["autoscaling"]["enabled"] = False
+    cluster.add_resource(doc)
     run_pass(cluster)
     cluster.objects[("Deployment", "ns", "llama3-8b-decode")]["spec"]["replicas"] = 1
     assert run_pass(cluster).children_written == ["Deployment/llama3-8b-decode"]
@@ -174,11 +176,19 @@ def replicas(cluster: FakeCluster) -> tuple[int, int]:
                  for r in ("prefill", "decode"))
 
 
-def test_autoscaler_desired_replicas_win_over_spec_within_min_max():
+def scale(cluster: FakeCluster, role: str, n: int) -> None:
+    """What the autoscaler writes to a Deployment."""
+    key = ("Deployment", "ns", f"llama3-8b-{role}")
+    cluster.patch("apps/v1", "Deployment", "ns", key[2], r.scale_patch(cluster.objects[key], n))
+
+
+def test_replicas_come_from_the_spec_never_from_status():
     # example: spec prefill 2, decode 4; autoscaling prefill 1..4, decode 2..8
-    cluster = with_autoscaler_status(example(), {"prefill": {"desired": 3}, "decode": {"desired": 20}})
+    doc = example()
+    doc["spec"]["decode"]["replicas"] = 20  # autoscaling on: created at the spec's number moved into min/max
+    cluster = with_autoscaler_status(doc, {"prefill": {"desired": 3}, "decode": {"desired": 5}})
     run_pass(cluster)
-    assert replicas(cluster) == (3, 8)
+    assert replicas(cluster) == (2, 8)
     doc = example()
     doc["spec"]["autoscaling"]["dryRun"] = True  # dry run: the spec's numbers, whatever status says
     cluster = with_autoscaler_status(doc, {"dryRun": True, "prefill": {"desired": 3}, "decode": {"desired": 5}})
@@ -193,16 +203,60 @@ def test_autoscaler_desired_replicas_win_over_spec_within_min_max():
     assert next(b for v, _, b in cluster.writes if v == "patch/status")["status"]["autoscaling"] is None
 
 
-def test_hand_edit_is_reported_but_a_new_desired_count_is_not():
-    cluster = with_autoscaler_status(example(), {"decode": {"desired": 4}})
+def test_with_autoscaling_an_existing_deployments_replicas_are_left_alone():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    scale(cluster, "decode", 6)  # the autoscaler
+    cluster.writes.clear()
+    assert (run_pass(cluster).children_written, replicas(cluster)) == ([], (2, 6))
+    cluster.objects[("Deployment", "ns", "llama3-8b-decode")]["spec"]["replicas"] = 7  # kubectl scale
+    result = run_pass(cluster)
+    assert (result.children_written, result.replicas_reverted, replicas(cluster)) == ([], [], (2, 7))
+    assert "ready: prefill 0/2, decode 0/6" in conditions_message(cluster, "Ready")  # the operator's number
+    # a spec change elsewhere in the Deployment is applied without touching its replicas
+    changed = cluster.resource()
+    del changed["spec"]["decode"]["nodeSelector"]
+    cluster.objects[(s.KIND, "ns", "llama3-8b")] = apply_merge_patch(changed, {"metadata": {"generation": 2}})
+    cluster.writes.clear()
+    assert run_pass(cluster).children_written == ["Deployment/llama3-8b-decode"]
+    patch = next(body for verb, what, body in cluster.writes if what == "Deployment/llama3-8b-decode")
+    assert "replicas" not in patch["spec"] and replicas(cluster) == (2, 7)
+    dep = cluster.get("apps/v1", "Deployment", "ns", "llama3-8b-decode")
+    assert r.applied_replicas(dep) == 6  # type: ignore[arg-type]
+
+
+def test_with_autoscaling_a_deployment_from_an_older_operator_is_patched_without_its_replicas():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    scale(cluster, "decode", 6)
+    dep = cluster.objects[("Deployment", "ns", "llama3-8b-decode")]
+    dep["metadata"]["annotations"][r.ANNOTATION_LAST_APPLIED] = '{"metadata":{"labels":{"older":"true"}}}'
+    cluster.writes.clear()
+    result = run_pass(cluster)
+    assert result.children_written == ["Deployment/llama3-8b-decode"] and replicas(cluster) == (2, 6)
+    patch = next(body for verb, what, body in cluster.writes if what == "Deployment/llama3-8b-decode")
+    assert "replicas" not in patch["spec"] and patch["metadata"]["labels"]["older"] is None
+    assert "decode 0/6" in conditions_message(cluster, "Ready")
+
+
+def conditions_message(cluster: FakeCluster, ctype: str) -> str:
+    return next(c["message"] for c in cluster.resource()["status"]["conditions"] if c["type"] == ctype)
+
+
+def test_hand_edit_is_reported_but_a_new_spec_count_is_not():
+    doc = example()
+    doc["spec"]["autoscaling"]["dryRun"] = True  # the spec's replicas apply
+    cluster = FakeCluster()
+    cluster.add_resource(doc)
     run_pass(cluster)
     cluster.objects[("Deployment", "ns", "llama3-8b-decode")]["spec"]["replicas"] = 7  # kubectl scale
     result = run_pass(cluster)
-    assert result.replicas_reverted == [r.ReplicasReverted("llama3-8b-decode", 7, 4,
-                                                           "status.autoscaling.decode.desired")]
+    assert result.replicas_reverted == [r.ReplicasReverted("llama3-8b-decode", 7, 4, "spec.decode.replicas")]
     assert replicas(cluster) == (2, 4)
     body = cluster.objects[(s.KIND, "ns", "llama3-8b")]
-    body["status"]["autoscaling"] = {"decode": {"desired": 5}}  # the autoscaler moves: not a hand edit
+    body["spec"]["decode"]["replicas"] = 5  # the spec moves: not a hand edit
     result = run_pass(cluster)
     assert (result.replicas_reverted, replicas(cluster)) == ([], (2, 5))
 

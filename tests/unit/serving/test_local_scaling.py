@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from disagg.operator import metrics_source as ms
+from disagg.operator.autoscaling import samples as ms
+from disagg.operator.autoscaling.report import ScalingChange, scaling_line
+from disagg.operator.autoscaling.scaling_pass import choose_removals
 from disagg.operator.spec import parse_spec
 from disagg.worker.local.launcher import initial_replicas, plan
 from disagg.worker.local.process import LocalProcess, ProcessSpec
-from disagg.worker.local.scaling import (DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet,
-                                         choose_victims, load_of, scaling_line)
+from disagg.worker.local.scaling import DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.discovery import FileDiscovery, parse_endpoints, write_endpoints
 from disagg.worker.router.endpoints import EndpointPool
@@ -104,7 +105,10 @@ def test_a_retired_worker_leaves_the_endpoints_file_before_it_gets_sigterm_and_t
         assert endpoints(tmp_path)["decode"] == [first.spec.url, second.spec.url]
         assert workers.counts() == {"prefill": 0, "decode": 2} and first.state == STARTING
         first.state = SERVING
-        assert workers.retire("decode", 1, {"decode-0": 3.0, "decode-1": 0.0}) == [second], "starting goes first"
+        busy = [ms.PodSample("decode-0", "decode", 0.0, {ms.NUM_REQUESTS_RUNNING: 3.0})]  # decode-1 not scraped yet
+        assert workers.newest_first("decode") == ["decode-1", "decode-0"]
+        chosen = choose_removals(workers.newest_first("decode"), busy, 1)
+        assert workers.retire("decode", chosen) == [second], "starting goes first"
         assert second.state == LEAVING and endpoints(tmp_path)["decode"] == [first.spec.url]
         workers.step()
         assert second.state == LEAVING and second.exited() is None, "the router may still list it"
@@ -135,18 +139,18 @@ def test_an_active_worker_that_dies_is_restarted(tmp_path):
 
 
 def test_victims_are_starting_workers_then_the_least_loaded_then_the_newest(tmp_path):
-    def proc(name: str, state: str) -> LocalProcess:
-        p = LocalProcess(ProcessSpec(name, [], "", role="decode"), tmp_path)
+    workers, _ = worker_set(tmp_path)
+    for i, state in enumerate((SERVING, SERVING, SERVING, STARTING)):
+        p = LocalProcess(ProcessSpec(f"decode-{i}", [], "", role="decode"), tmp_path)
+        workers.workers.append(p)
         p.state = state
-        return p
-    a, b, c = proc("decode-0", SERVING), proc("decode-1", SERVING), proc("decode-2", SERVING)
-    d = proc("decode-3", STARTING)
-    loads = {"decode-0": 1.0, "decode-1": 5.0, "decode-2": 1.0}
-    assert choose_victims([a, b, c, d], loads, 3) == [d, c, a]
-    assert choose_victims([a, b], loads, 0) == []
+    running = {"decode-0": 1.0, "decode-1": 5.0, "decode-2": 1.0}  # decode-3 is starting: not scraped
+    scraped = [ms.PodSample(name, "decode", 0.0, {ms.NUM_REQUESTS_RUNNING: n}) for name, n in running.items()]
+    assert choose_removals(workers.newest_first("decode"), scraped, 3) == ["decode-3", "decode-2", "decode-0"]
+    assert choose_removals(workers.newest_first("decode"), scraped, 0) == []
     sample = ms.PodSample("decode-0", "decode", 0.0, {ms.NUM_REQUESTS_RUNNING: 2, ms.NUM_REQUESTS_WAITING: 1,
                                                       ms.PENDING_LOADS: 1, ms.KV_CACHE_USAGE: 0.5})
-    assert load_of(sample) == 4
+    assert ms.pod_load(sample) == 4
 
 
 # ---------------------------------------------------------------- the autoscaling tick
@@ -163,11 +167,14 @@ class FakeWorkers:
     def counts(self):
         return dict(self._counts)
 
+    def newest_first(self, role):
+        return [p.spec.name for p in reversed(self.procs) if p.spec.role == role]
+
     def add(self, role):
         self.calls.append(("add", role))
 
-    def retire(self, role, n, loads):
-        self.calls.append(("retire", role, n, loads))
+    def retire(self, role, names):
+        self.calls.append(("retire", role, names))
 
 
 def samples(kv_usage: float, running: float, now: float):
@@ -212,7 +219,7 @@ def test_tick_adds_a_decode_worker_under_load_and_retires_the_least_loaded_after
     now[0] += 6
     scaler.scrape = samples(0.0, 0, now[0])
     assert scaler.tick().desired["decode"] == 1
-    assert workers.calls == [("retire", "decode", 1, {"prefill-0": 0.0, "decode-0": 0.0, "decode-1": 0.0})]
+    assert workers.calls == [("retire", "decode", ["decode-1"])]  # both idle: the newest goes
 
 
 def test_a_decode_scale_up_from_kv_waiting_at_prefill_reports_that_signal():
@@ -250,5 +257,5 @@ def test_missing_metrics_hold():
     failed = lambda procs: [ms.PodSample(p.spec.name, p.spec.role, now[0], error="ConnectError") for p in procs]  # noqa
     scaler, said = autoscaler(workers, failed, now)
     assert scaler.tick().reason == "MetricsMissing" and workers.calls == [] and said == []
-    assert scaling_line({"time": "t", "role": "decode", "from": 2, "to": 1, "reason": "Underutilized", "dryRun": False,
-                         "metrics": {}}).endswith("decode 2 -> 1 (Underutilized) ")
+    assert scaling_line(ScalingChange("decode", 2, 1, "Underutilized", False, 0.0)) == \
+        "[1970-01-01T00:00:00Z] autoscale: decode 2 -> 1 (Underutilized) "

@@ -72,7 +72,7 @@ P1, P2, D1, D2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
 
 @pytest.mark.asyncio
 async def test_two_hops_share_one_request_id_and_hand_over_kv_params():
-    client, workers, _ = router({P1: "ok"}, {D1: "ok"})
+    client, workers, state = router({P1: "ok"}, {D1: "ok"})
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream_options": {}},
                           headers={"X-Request-Id": "abc"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
@@ -82,6 +82,7 @@ async def test_two_hops_share_one_request_id_and_hand_over_kv_params():
     assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
     assert d_body["max_tokens"] == 9 and d_body["kv_transfer_params"] == KV
     assert r.headers["x-request-id"] == "abc"
+    assert "disagg:router_decode_alone_total{" not in state.metrics.render().decode()
 
 
 @pytest.mark.asyncio
@@ -98,11 +99,15 @@ async def test_failed_prefill_is_retried_on_another_prefill(failure):
 
 @pytest.mark.asyncio
 async def test_no_prefill_available_decodes_alone():
-    client, workers, _ = router({P1: "down"}, {D1: "ok"})
+    client, workers, state = router({P1: "down"}, {D1: "ok"})
     r = await client.post("/v1/chat/completions", json={"messages": [], "kv_transfer_params": {"junk": 1}})
     assert r.status_code == 200
     assert [u for u, _, _ in workers.seen] == [P1, D1]
     assert "kv_transfer_params" not in workers.seen[-1][1], "decode alone computes the prompt itself"
+    # counted for the DisaggRouterDecodeAlone alert; a request with KV from a prefill is not
+    assert 'disagg:router_decode_alone_total{model_name="m",role="router"} 1.0' in state.metrics.render().decode()
+    await client.post("/v1/chat/completions", json={"messages": []})
+    assert 'disagg:router_decode_alone_total{model_name="m",role="router"} 2.0' in state.metrics.render().decode()
 
 
 @pytest.mark.asyncio

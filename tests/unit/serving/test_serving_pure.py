@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.operator.metrics_source import WAITING_PROMPT_TOKENS
+from disagg.operator.autoscaling.samples import WAITING_PROMPT_TOKENS
 from disagg.operator.spec import parse_spec
 from disagg.worker.local.launcher import curl_example, plan
 from disagg.worker.server.metrics import WorkerMetrics
@@ -132,7 +132,7 @@ def test_worker_metrics_are_per_instance_and_labelled():
 
 
 def test_waiting_prompt_tokens_gauge_sums_the_waiting_queue_under_the_name_the_autoscaler_reads():
-    # the engine loop reads the scheduler's waiting deque; the gauge carries the name metrics_source expects
+    # the engine loop reads the scheduler's waiting deque; the gauge carries the name the autoscaler reads
     waiting = [SimpleNamespace(num_prompt_tokens=n) for n in (7, 30)]
     engine = SimpleNamespace(
         scheduler=SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0),

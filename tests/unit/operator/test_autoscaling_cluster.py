@@ -1,4 +1,4 @@
-"""The autoscaler pass against an in-memory cluster, with scraping replaced by fixed samples."""
+"""The autoscaling pass on Kubernetes against an in-memory cluster, with scraping replaced by fixed samples."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,12 @@ from typing import Any
 import pytest
 from test_reconcile import FakeCluster, example, run_pass
 
-from disagg.operator import autoscaler as sc
-from disagg.operator import metrics_source as ms
-from disagg.operator.autoscale import ScalingHistory
+from disagg.operator import reconcile as r
+from disagg.operator.autoscaling import cluster as sc
+from disagg.operator.autoscaling import samples as ms
+from disagg.operator.autoscaling import sources
+from disagg.operator.autoscaling.report import status_metrics
+from disagg.operator.autoscaling.scaling_pass import PassState
 from disagg.operator.kube import ApiError, TransientApiError
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -73,8 +76,8 @@ def setup(cluster: PodCluster, doc: dict[str, Any], decode_kv: list[float]) -> N
         cluster.samples[d] = sample(d, "decode", kv=kv, running=10 * (i + 1))  # type: ignore[attr-defined]
 
 
-def decide(cluster: PodCluster, now: datetime = T0) -> sc.AutoscaleResult:
-    result = sc.autoscale(cluster.resource(), cluster, ScalingHistory(), now, lambda: now.timestamp())
+def decide(cluster: PodCluster, now: datetime = T0, state: PassState | None = None) -> sc.AutoscaleResult:
+    result = sc.autoscale(cluster.resource(), cluster, state or PassState(), now, lambda: now.timestamp())
     assert result is not None
     return result
 
@@ -83,13 +86,16 @@ def dep_replicas(cluster: PodCluster, role: str) -> int:
     return cluster.get("apps/v1", "Deployment", NS, f"{NAME}-{role}")["spec"]["replicas"]  # type: ignore[index]
 
 
-def test_decode_bound_records_status_then_reconcile_applies_it(cluster):
+def test_decode_bound_scales_the_deployment_and_reports_in_status(cluster):
     setup(cluster, autoscaling_example(), [0.95, 0.95])
     cluster.writes.clear()
     result = decide(cluster)
     assert [(c.role, c.from_replicas, c.to_replicas, c.reason, c.event_reason) for c in result.changes] == \
         [("decode", 2, 3, "DecodeBound", "ScaledUp")]
-    assert [w[0] for w in cluster.writes] == ["patch/status"]  # the autoscaler never writes Deployments
+    # as an HPA: the Deployment's replicas, then the report; no other write
+    assert [(w[0], w[1]) for w in cluster.writes] == [("patch", f"Deployment/{NAME}-decode"),
+                                                      ("patch/status", f"DisaggregatedInference/{NAME}")]
+    assert dep_replicas(cluster, "decode") == 3 and result.scaled == [f"{NAME}-decode"]
     st = cluster.resource()["status"]
     assert st["autoscaling"]["decode"] == {"current": 2, "desired": 3, "reason": "DecodeBound"}
     last = st["autoscaling"]["lastDecision"]
@@ -99,14 +105,16 @@ def test_decode_bound_records_status_then_reconcile_applies_it(cluster):
     assert {c["type"]: c["status"] for c in st["conditions"]} == \
         {"Ready": "False", "Progressing": "True", "Degraded": "False",  # the reconcile pass's, kept
          "ScalingActive": "True", "ScalingLimited": "False", "TransferBound": "False"}
-    run_pass(cluster)
+    cluster.writes.clear()
+    run_pass(cluster)  # the reconcile pass leaves the autoscaler's replicas alone
     assert dep_replicas(cluster, "decode") == 3
+    assert [w[1] for w in cluster.writes if w[0] != "patch/status"] == []
     assert [c["type"] for c in cluster.resource()["status"]["conditions"]][-3:] == \
         ["ScalingActive", "ScalingLimited", "TransferBound"]
     cluster.writes.clear()
     later = T0 + timedelta(seconds=1)
-    again = sc.autoscale(cluster.resource(), cluster, result.history, later, lambda: later.timestamp())
-    assert again is not None and again.changes == []  # 4 wanted, maxReplicas 3
+    again = sc.autoscale(cluster.resource(), cluster, result.state, later, lambda: later.timestamp())
+    assert again is not None and again.changes == [] and again.scaled == []  # 4 wanted, maxReplicas 3
     assert cluster.resource()["status"]["autoscaling"]["decode"] == \
         {"current": 3, "desired": 3, "reason": "DecodeBound", "limitedBy": "TooManyReplicas"}
     assert cluster.resource()["status"]["autoscaling"]["lastDecision"] == last  # kept
@@ -122,6 +130,7 @@ def test_scale_down_marks_the_least_loaded_pod_and_clears_old_marks(cluster):
     cost = lambda pod: (cluster.objects[("Pod", NS, pod)]["metadata"].get("annotations") or {}).get(  # noqa: E731
         sc.ANNOTATION_DELETION_COST)
     assert (cost(f"{NAME}-decode-1"), cost(busy)) == ("-1000", None)
+    assert dep_replicas(cluster, "decode") == 1
     run_pass(cluster)
     assert dep_replicas(cluster, "decode") == 1
 
@@ -154,15 +163,31 @@ def test_dry_run_reports_once_and_writes_no_deployment_or_pod(cluster):
     assert cluster.resource()["status"]["autoscaling"]["dryRun"] is True
     run_pass(cluster)
     assert dep_replicas(cluster, "decode") == 2
-    second = decide(cluster, T0 + timedelta(seconds=1))
+    second = decide(cluster, T0 + timedelta(seconds=1), first.state)
     assert second.changes == [] and not second.status_written  # same recommendation: no new report
+    assert dep_replicas(cluster, "decode") == 2 and second.scaled == []
 
 
-def test_a_hand_edit_is_not_taken_as_the_pools_size(cluster):
+def test_a_hand_edit_is_not_taken_as_the_pools_size_but_undone(cluster):
     setup(cluster, autoscaling_example(), [0.8, 0.8])
-    cluster.objects[("Deployment", NS, f"{NAME}-decode")]["spec"]["replicas"] = 3  # kubectl scale, not reverted yet
+    cluster.objects[("Deployment", NS, f"{NAME}-decode")]["spec"]["replicas"] = 3  # kubectl scale
+    run_pass(cluster)  # the reconcile pass does not undo it: the autoscaler owns the replicas
+    assert dep_replicas(cluster, "decode") == 3
     result = decide(cluster)
     assert (result.changes, result.decision.roles["decode"].current) == ([], 2)
+    assert result.replicas_reverted == [r.ReplicasReverted(f"{NAME}-decode", 3, 2, sc.REVERTED_SOURCE)]
+    assert dep_replicas(cluster, "decode") == 2
+    again = decide(cluster, T0 + timedelta(seconds=1), result.state)
+    assert (again.scaled, again.replicas_reverted) == ([], [])
+
+
+def test_a_scale_keeps_the_last_applied_record_so_reconcile_writes_nothing(cluster):
+    setup(cluster, autoscaling_example(), [0.95, 0.95])
+    decide(cluster)
+    dep = cluster.get("apps/v1", "Deployment", NS, f"{NAME}-decode")
+    assert r.applied_replicas(dep) == 3  # type: ignore[arg-type]
+    cluster.writes.clear()
+    assert run_pass(cluster).children_written == []
 
 
 def test_unreachable_or_unready_pods(cluster):
@@ -178,12 +203,24 @@ def test_unreachable_or_unready_pods(cluster):
     assert "decode-1" in active["message"]
 
 
+def test_a_lowered_max_is_applied_by_the_autoscaler_even_without_metrics(cluster):
+    setup(cluster, autoscaling_example(), [0.8, 0.8])
+    body = cluster.objects[("DisaggregatedInference", NS, NAME)]
+    body["spec"]["autoscaling"]["decode"]["maxReplicas"] = 1
+    run_pass(cluster)
+    assert dep_replicas(cluster, "decode") == 2, "reconcile leaves an autoscaled Deployment's replicas alone"
+    cluster.samples.clear()  # type: ignore[attr-defined]
+    held = decide(cluster)
+    assert (held.decision.reason, held.decision.roles["decode"].limited_by) == ("MetricsMissing", "TooManyReplicas")
+    assert dep_replicas(cluster, "decode") == 1
+
+
 def test_autoscaling_off_or_invalid_does_nothing(cluster):
     doc = autoscaling_example()
     doc["spec"]["autoscaling"]["enabled"] = False
     cluster.add_resource(doc)
-    assert sc.autoscale(cluster.resource(), cluster, ScalingHistory(), T0, lambda: 0.0) is None
-    assert sc.autoscale({"metadata": {"name": "gone", "namespace": NS}}, cluster, ScalingHistory(), T0,
+    assert sc.autoscale(cluster.resource(), cluster, PassState(), T0, lambda: 0.0) is None
+    assert sc.autoscale({"metadata": {"name": "gone", "namespace": NS}}, cluster, PassState(), T0,
                         lambda: 0.0) is None
 
 
@@ -197,7 +234,7 @@ def test_scrape_targets_use_pod_ip_and_port_annotation():
 
 
 def test_status_metrics_are_camel_case_decimal_strings():
-    assert sc.status_metrics({"decode_kv_cache_usage": 0.8312, "prefill_ttft_seconds": 0.25, "x_y": None,
+    assert status_metrics({"decode_kv_cache_usage": 0.8312, "prefill_ttft_seconds": 0.25, "x_y": None,
                               "failed_transfers": float("inf")}) == \
         {"decodeKvCacheUsagePercent": "83.12", "prefillTtftSeconds": "0.25"}
 
@@ -219,9 +256,9 @@ def test_prometheus_samples_are_matched_to_the_listed_pods(monkeypatch):
     targets = [sc.PodTarget("p-1", "prefill", ""), sc.PodTarget("d-1", "decode", "")]
     source = s.MetricsSource(type="prometheus", prometheus_url="http://prom:9090", pod_label="kubernetes_pod_name")
     fetched = [ms.PodSample("d-1", "", 5.0, {ms.KV_CACHE_USAGE: 0.5}), ms.PodSample("other-ns-pod", "decode", 5.0)]
-    monkeypatch.setattr(ms.PrometheusSource, "fetch", lambda self, roles=(): fetched)
+    monkeypatch.setattr(sources.PrometheusSource, "fetch", lambda self, roles=(): fetched)
     p, d = sc.from_prometheus(targets, source, lambda: 9.0)
     assert (p.pod, p.missing, p.timestamp) == ("p-1", True, 9.0) and "kubernetes_pod_name='p-1'" in p.error
     assert (d.role, d.values, d.missing) == ("decode", {ms.KV_CACHE_USAGE: 0.5}, False)
-    monkeypatch.setattr(ms.PrometheusSource, "fetch", lambda self, roles=(): "ConnectError: refused")
+    monkeypatch.setattr(sources.PrometheusSource, "fetch", lambda self, roles=(): "ConnectError: refused")
     assert [smp.error for smp in sc.from_prometheus(targets, source, lambda: 9.0)] == ["ConnectError: refused"] * 2

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from disagg.operator.autoscale_classify import Classification, RoleLevels, classify, project
-from disagg.operator.autoscale_inputs import ROLES, AutoscalePolicy, RoleMetrics, aggregate_role, is_fresh
-from disagg.operator.metrics_source import PodSample
+from disagg.operator.autoscaling.classify import Classification, RoleLevels, classify, project
+from disagg.operator.autoscaling.inputs import ROLES, AutoscalePolicy, RoleMetrics, aggregate_role, is_fresh
+from disagg.operator.autoscaling.samples import PodSample
 
 
 # ---------------------------------------------------------------- history and decision

@@ -7,13 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from disagg.operator import metrics_source as m
-from disagg.operator.autoscale import ScalingHistory, decide
-from disagg.operator.autoscale_classify import RoleLevels
-from disagg.operator.autoscale_inputs import (
-    PROMPT_TOKENS, AutoscalePolicy, RoleBounds, aggregate_role, policy_from_spec,
-)
-from disagg.operator.metrics_source import Histogram, PodSample
+from disagg.operator.autoscaling import samples as m
+from disagg.operator.autoscaling.classify import RoleLevels
+from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleBounds, aggregate_role, policy_from_spec
+from disagg.operator.autoscaling.policy import ScalingHistory, decide
+from disagg.operator.autoscaling.samples import PROMPT_TOKENS, Histogram, PodSample
 from disagg.operator.spec import AutoscalingSpec
 
 BOUNDS = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, math.inf)

@@ -12,10 +12,11 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from disagg.operator.metrics_source import (
-    FAILED_TRANSFERS, ITL, KV_CACHE_USAGE, NUM_REQUESTS_WAITING, PENDING_SENDS, TTFT, Histogram, PrometheusSource,
-    histogram_delta, histogram_quantile, merge_histograms, parse_prometheus_text, scrape_pod,
+from disagg.operator.autoscaling.samples import (
+    FAILED_TRANSFERS, ITL, KV_CACHE_USAGE, NUM_REQUESTS_WAITING, PENDING_SENDS, TTFT, Histogram, histogram_delta,
+    histogram_quantile, merge_histograms,
 )
+from disagg.operator.autoscaling.sources import PrometheusSource, parse_prometheus_text, scrape_pod
 
 # what prometheus_client writes for a prefill worker serving one model (two label sets for waiting: LoRA-less
 # workers have one, but summing must not depend on that)

@@ -1,4 +1,4 @@
-"""Demand side of the autoscaling policy (autoscale.py): the replicas each role needs - projected one start-up delay
+"""Demand side of the autoscaling policy (policy.py): the replicas each role needs - projected one start-up delay
 ahead (`project`) and proportional to its metrics against the targets, gated by which pool is the bottleneck
 (`classify`). Pure: no I/O."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disagg.operator.autoscale_inputs import AutoscalePolicy, RoleMetrics
+from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleMetrics
 
 
 @dataclass(frozen=True)

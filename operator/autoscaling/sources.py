@@ -1,107 +1,26 @@
 """Where the autoscaler's numbers come from: each pod's /metrics scraped directly (the default, no Prometheus
-needed) or a Prometheus server's HTTP API. Both yield one `PodSample` per pod; a failed read yields a sample
-marked missing (never an exception), so the autoscale loop holds instead of stopping.
+needed) or a Prometheus server's HTTP API. Both yield one `PodSample` (samples.py) per pod; a failed read yields a
+sample marked missing (never an exception), so the autoscaling pass holds instead of stopping.
 
 Counters and histograms are kept cumulative, as exported; the policy turns two consecutive samples of a pod into
-windowed rates and latencies (`histogram_delta`, `histogram_quantile`).
+windowed rates and latencies (samples.histogram_delta, samples.histogram_quantile).
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.operator.autoscaling.samples import NUM_REQUESTS_RUNNING, Histogram, PodSample
+
 logger = logging.getLogger(__name__)
 
-# Names as the workers export them (vLLM's where vLLM has the metric). Counters drop the "_total" suffix here.
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
-NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # fraction 0..1, as in vLLM
-TTFT = "vllm:time_to_first_token_seconds"  # histogram
-ITL = "vllm:inter_token_latency_seconds"  # histogram
-XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
-FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"  # counter
-EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs"  # counter
-PENDING_SENDS = "disagg:kv_pending_sends"  # gauge, prefill: requests whose KV waits to be pulled
-PENDING_LOADS = "disagg:kv_pending_loads"  # gauge, decode: requests waiting for remote KV
-WAITING_PROMPT_TOKENS = "disagg:num_waiting_prompt_tokens"  # gauge, prompt tokens of waiting requests
-
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A Prometheus histogram, cumulative as exported."""
-
-    buckets: tuple[tuple[float, float], ...]  # (upper bound `le`, cumulative count), ascending, last is +inf
-    sum: float  # sum of observations (seconds for latency histograms)
-    count: float  # number of observations
-
-    @property
-    def mean(self) -> float | None:
-        return self.sum / self.count if self.count > 0 else None
-
-
-@dataclass
-class PodSample:
-    """One read of one pod's metrics."""
-
-    pod: str  # pod name (or the endpoint, outside Kubernetes)
-    role: str  # "prefill" | "decode"
-    timestamp: float  # seconds: when the values were read (scraper clock, or Prometheus' scrape time)
-    values: dict[str, float] = field(default_factory=dict)  # gauge/counter name -> value, summed over label sets
-    histograms: dict[str, Histogram] = field(default_factory=dict)  # name -> cumulative, summed over label sets
-    error: str | None = None  # why nothing was read (timeout, refused, HTTP status, parse error)
-
-    @property
-    def missing(self) -> bool:
-        return self.error is not None
-
-
-# ---------------------------------------------------------------- histogram arithmetic
-def merge_histograms(hs: Iterable[Histogram]) -> Histogram | None:
-    """Sum histograms with the same bucket bounds (pods of one deployment); None for none."""
-    hs = list(hs)
-    if not hs:
-        return None
-    counts: dict[float, float] = defaultdict(float)
-    for h in hs:
-        for le, c in h.buckets:
-            counts[le] += c
-    return Histogram(tuple(sorted(counts.items())), sum(h.sum for h in hs), sum(h.count for h in hs))
-
-
-def histogram_delta(cur: Histogram, prev: Histogram | None) -> Histogram | None:
-    """Observations between two reads; None on a counter reset (pod restarted) or changed bounds."""
-    if prev is None:
-        return None
-    if cur.count < prev.count or [b for b, _ in cur.buckets] != [b for b, _ in prev.buckets]:
-        return None
-    buckets = tuple((le, c - p) for (le, c), (_, p) in zip(cur.buckets, prev.buckets))
-    return Histogram(buckets, cur.sum - prev.sum, cur.count - prev.count)
-
-
-def histogram_quantile(q: float, h: Histogram) -> float | None:
-    """Prometheus' histogram_quantile: linear interpolation inside the bucket; None without observations.
-    A quantile in the +Inf bucket returns the highest finite bound (as Prometheus does)."""
-    if h.count <= 0 or not h.buckets:
-        return None
-    rank = q * h.buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for le, c in h.buckets:
-        if c >= rank and c > lower_count:
-            if math.isinf(le):
-                return lower_bound
-            return lower_bound + (le - lower_bound) * (rank - lower_count) / (c - lower_count)
-        lower_bound, lower_count = le, c
-    return lower_bound
 
 
 # ---------------------------------------------------------------- parsing
@@ -168,13 +87,6 @@ def scrape_pods(targets: list[tuple[str, str, str]], timeout: float, clock: Cloc
     with httpx.Client() as client, ThreadPoolExecutor(min(MAX_SCRAPE_THREADS, len(targets))) as pool:
         return list(pool.map(lambda t: scrape_pod(t[0], pod=t[1], role=t[2], timeout=timeout, clock=clock,
                                                   client=client), targets))
-
-
-def pod_load(sample: PodSample) -> float:
-    """Work a pod would have to finish (or hand over) before it can go: requests running or queued, KV held for
-    a reader or awaited from a sender."""
-    v = sample.values
-    return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS))
 
 
 # ---------------------------------------------------------------- Prometheus HTTP API

@@ -1,9 +1,14 @@
-"""The autoscaler's I/O side: one pass reads a resource's worker pods and their metrics, asks the pure policy
-(autoscale.decide), and records the decision in status.autoscaling (+ the ScalingActive, ScalingLimited and
-TransferBound conditions). The reconcile pass applies status.autoscaling.<role>.desired to the Deployments, so
-one writer owns replicas. Knows nothing about kopf; the API client and the clock are injected.
+"""The autoscaling pass on Kubernetes: read a resource's worker pods and their metrics, run the shared pass
+(scaling_pass.run_pass), then apply it - as an HPA writes a Deployment's scale, the autoscaler owns the worker
+Deployments' spec.replicas while autoscaling is on (reconcile sets them only at creation). Status
+(status.autoscaling + the ScalingActive, ScalingLimited and TransferBound conditions) is a report of the decision,
+never read back to decide. Knows nothing about kopf; the API client and the clock are injected.
 
-Scale-down loses no work: before a pool shrinks, its least-loaded ready pods get a low
+The pool's size the decision starts from is the replicas the operator last applied to the Deployment (its
+last-applied annotation, which every scale rewrites): a hand `kubectl scale` is not taken as the pool's size but
+undone at the next decision, and reported.
+
+Scale-down loses no work: before a pool shrinks, the pods chosen to go get a low
 controller.kubernetes.io/pod-deletion-cost, so the ReplicaSet removes those; the removed pod's SIGTERM drain
 (worker) finishes its requests and keeps unread KV until pulled or the lease ends, inside the grace period
 (spec.semantic_problems checks grace >= preStop + request drain + lease).
@@ -16,29 +21,30 @@ Where metrics come from (spec.autoscaling.metricsSource):
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from pydantic.alias_generators import to_camel
 
-from disagg.operator import autoscale as a
 from disagg.operator import manifests as m
-from disagg.operator import metrics_source as ms
 from disagg.operator import reconcile as r
 from disagg.operator import spec as s
-from disagg.operator.autoscale_inputs import ROLES, policy_from_spec
+from disagg.operator.autoscaling import sources
+from disagg.operator.autoscaling.inputs import ROLES, policy_from_spec
+from disagg.operator.autoscaling.policy import Decision
+from disagg.operator.autoscaling.report import ScalingChange, iso, status_metrics
+from disagg.operator.autoscaling.samples import PodSample
+from disagg.operator.autoscaling.scaling_pass import PassOutcome, PassState, run_pass
 from disagg.operator.kube import ApiError, TransientApiError
-
 
 log = logging.getLogger(__name__)
 
 ANNOTATION_METRICS_PORT = f"{s.GROUP}/metrics-port"
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_DELETION_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
+REVERTED_SOURCE = "the autoscaler's decision"  # where a reverted hand edit's replicas come from
 
 
 class Cluster(r.Cluster, Protocol):
@@ -70,30 +76,31 @@ def scrape_targets(pods: list[dict[str, Any]], role: str) -> list[PodTarget]:
     return out
 
 
-def scrape(targets: list[PodTarget], timeout: float, clock: Callable[[], float]) -> list[ms.PodSample]:
-    return ms.scrape_pods([(t.url, t.name, t.role) for t in targets], timeout, clock)
+def removable_pods(pods: list[dict[str, Any]]) -> list[str]:
+    """Pods not already terminating, newest first (ties of the removal choice go to the newest)."""
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    alive.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]), reverse=True)
+    return [p["metadata"]["name"] for p in alive]
+
+
+def scrape(targets: list[PodTarget], timeout: float, clock: Callable[[], float]) -> list[PodSample]:
+    return sources.scrape_pods([(t.url, t.name, t.role) for t in targets], timeout, clock)
 
 
 def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Callable[[], float]) -> list[
-        ms.PodSample]:
+        PodSample]:
     """One sample per target pod; a pod Prometheus has no series for is missing."""
-    fetched = ms.PrometheusSource(source.prometheus_url or "", timeout=source.timeout_seconds,
-                                  selector=source.selector or "", pod_label=source.pod_label).fetch()
+    fetched = sources.PrometheusSource(source.prometheus_url or "", timeout=source.timeout_seconds,
+                                       selector=source.selector or "", pod_label=source.pod_label).fetch()
     if isinstance(fetched, str):
-        return [ms.PodSample(t.name, t.role, clock(), error=fetched) for t in targets]
+        return [PodSample(t.name, t.role, clock(), error=fetched) for t in targets]
     by_pod = {smp.pod: smp for smp in fetched}
     out = []
     for t in targets:
         smp = by_pod.get(t.name)
-        out.append(ms.PodSample(t.name, t.role, smp.timestamp, smp.values, smp.histograms) if smp else
-                   ms.PodSample(t.name, t.role, clock(), error=f"no series with {source.pod_label}={t.name!r}"))
+        out.append(PodSample(t.name, t.role, smp.timestamp, smp.values, smp.histograms) if smp else
+                   PodSample(t.name, t.role, clock(), error=f"no series with {source.pod_label}={t.name!r}"))
     return out
-
-
-def pods_to_remove(samples: list[ms.PodSample], count: int) -> list[str]:
-    """The `count` least-loaded pods with fresh numbers (ties: by name)."""
-    ranked = sorted((smp for smp in samples if not smp.missing), key=lambda smp: (ms.pod_load(smp), smp.pod))
-    return [smp.pod for smp in ranked[:max(0, count)]]
 
 
 def deletion_cost_patches(pods: list[dict[str, Any]], victims: list[str]) -> dict[str, dict[str, Any]]:
@@ -108,64 +115,26 @@ def deletion_cost_patches(pods: list[dict[str, Any]], victims: list[str]) -> dic
     return out
 
 
-# ---------------------------------------------------------------- status
-@dataclass(frozen=True)
-class ScalingChange:
-    role: str
-    from_replicas: int
-    to_replicas: int
-    reason: str
-    dry_run: bool
-
-    @property
-    def event_reason(self) -> str:
-        verb = "ScaledUp" if self.to_replicas > self.from_replicas else "ScaledDown"
-        return f"DryRun{verb}" if self.dry_run else verb
-
-    @property
-    def message(self) -> str:
-        what = "would scale" if self.dry_run else "scaled"
-        return f"{what} {self.role} from {self.from_replicas} to {self.to_replicas}: {self.reason}"
-
-
-def status_metrics(metrics: dict[str, float | None]) -> dict[str, str]:
-    """The policy's numbers as decimal strings (the API has no floats), camelCase, units in the names."""
-    out = {}
-    for name, value in metrics.items():
-        if value is None or not math.isfinite(value):
-            continue
-        if name == "decode_kv_cache_usage":  # a fraction in the metric, a percent in the spec's target
-            name, value = "decode_kv_cache_usage_percent", value * 100
-        out[to_camel(name)] = f"{value:.4g}"
-    return out
-
-
-def scaling_status(decision: a.Decision, old: dict[str, Any], dry_run: bool,
-                   now: datetime) -> tuple[dict[str, Any], list[ScalingChange]]:
-    """status.autoscaling for this decision, and the pool changes it makes (or would make, in dry run)."""
+# ---------------------------------------------------------------- status (a report of the decision)
+def scaling_status(decision: Decision, changes: list[ScalingChange], old: dict[str, Any],
+                   dry_run: bool) -> dict[str, Any]:
+    """status.autoscaling for this decision; lastDecision is the latest change told (kept until the next)."""
     status: dict[str, Any] = {"dryRun": dry_run}
-    changes = []
     for role, d in decision.roles.items():
         status[role] = {"current": d.current, "desired": d.desired, "reason": d.reason,
                         **({"limitedBy": d.limited_by} if d.limited_by else {})}
-        if d.desired == d.current:
-            continue
-        # dry run: report a recommendation once, not every interval
-        if dry_run and old.get("dryRun") and (old.get(role) or {}).get("desired") == d.desired:
-            continue
-        changes.append(ScalingChange(role, d.current, d.desired, d.reason, dry_run))
     if changes:
         c = changes[-1]
-        status["lastDecision"] = {"time": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "role": c.role,
-                                  "from": c.from_replicas, "to": c.to_replicas, "reason": c.reason,
+        status["lastDecision"] = {"time": iso(c.time), "role": c.role, "from": c.from_replicas,
+                                  "to": c.to_replicas, "reason": c.reason,
                                   **({"bottleneck": decision.bottleneck} if decision.bottleneck else {}),
                                   "dryRun": dry_run, "metrics": status_metrics(decision.metrics)}
     elif old.get("lastDecision"):
         status["lastDecision"] = old["lastDecision"]
-    return status, changes
+    return status
 
 
-def scaling_conditions(decision: a.Decision, old: list[dict[str, Any]], generation: int,
+def scaling_conditions(decision: Decision, old: list[dict[str, Any]], generation: int,
                        now: datetime) -> list[dict[str, Any]]:
     """All conditions: the reconcile pass's as they are, the autoscaler's replaced."""
     ours = [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
@@ -174,7 +143,21 @@ def scaling_conditions(decision: a.Decision, old: list[dict[str, Any]], generati
     return [c for c in old if c.get("type") not in s.AUTOSCALING_CONDITIONS] + ours
 
 
-# ---------------------------------------------------------------- the pass
+# ---------------------------------------------------------------- apply
+@dataclass
+class AutoscaleResult:
+    decision: Decision
+    state: PassState  # pass to the next call
+    interval_seconds: int
+    dry_run: bool
+    changes: list[ScalingChange] = field(default_factory=list)
+    status_written: bool = False
+    scaled: list[str] = field(default_factory=list)  # Deployments whose replicas were written
+    replicas_reverted: list[r.ReplicasReverted] = field(default_factory=list)  # hand edits undone
+    cost_patched: list[str] = field(default_factory=list)  # pods whose deletion cost was set or cleared
+    cost_failed: list[str] = field(default_factory=list)  # "pod: error" where that write was refused
+
+
 def _mark_victims(cluster: Cluster, namespace: str, pods: list[dict[str, Any]], victims: list[str],
                   result: AutoscaleResult) -> None:
     """Best effort: without the mark (RBAC lacks pods/patch, the pod is gone) the ReplicaSet picks by its own
@@ -191,22 +174,36 @@ def _mark_victims(cluster: Cluster, namespace: str, pods: list[dict[str, Any]], 
             result.cost_failed.append(f"{name}: {e}")
 
 
-@dataclass
-class AutoscaleResult:
-    decision: a.Decision
-    history: a.ScalingHistory  # pass to the next call
-    interval_seconds: int
-    dry_run: bool
-    changes: list[ScalingChange] = field(default_factory=list)
-    status_written: bool = False
-    cost_patched: list[str] = field(default_factory=list)  # pods whose deletion cost was set or cleared
-    cost_failed: list[str] = field(default_factory=list)  # "pod: error" where that write was refused
+def _apply(cluster: Cluster, namespace: str, deployments: dict[str, dict[str, Any]],
+           pods: dict[str, list[dict[str, Any]]], outcome: PassOutcome, result: AutoscaleResult) -> None:
+    """Mark the pods to remove, then write each Deployment's replicas where the decision (or a hand edit to undo)
+    asks for it."""
+    for role, d in outcome.decision.roles.items():
+        dep = deployments[role]
+        if role in outcome.removals:
+            _mark_victims(cluster, namespace, pods[role], outcome.removals[role], result)
+        found = dep.get("spec", {}).get("replicas")
+        if found == d.desired and d.current == d.desired:
+            continue
+        name = dep["metadata"]["name"]
+        cluster.patch("apps/v1", "Deployment", namespace, name, r.scale_patch(dep, d.desired))
+        result.scaled.append(name)
+        if found not in (d.current, d.desired):
+            result.replicas_reverted.append(r.ReplicasReverted(name, found, d.desired, REVERTED_SOURCE))
 
 
-def autoscale(body: dict[str, Any], cluster: Cluster, history: a.ScalingHistory, now: datetime,
+def _read_samples(spec: s.DisaggregatedInferenceSpec, pods: dict[str, list[dict[str, Any]]],
+                  clock: Callable[[], float]) -> list[PodSample]:
+    targets = [t for role in ROLES for t in scrape_targets(pods[role], role)]
+    source = spec.autoscaling.metrics_source
+    return (from_prometheus(targets, source, clock) if source.type == "prometheus"
+            else scrape(targets, source.timeout_seconds, clock))
+
+
+def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: datetime,
               clock: Callable[[], float]) -> AutoscaleResult | None:
     """One decision for one resource. None: gone, invalid, autoscaling off, or no Deployments yet.
-    `clock`: seconds (the samples' timestamps); `now`: the same instant for status."""
+    `clock`: seconds (the samples' timestamps); `now`: the same instant for the conditions."""
     meta = body["metadata"]
     body = cluster.get(s.API_VERSION, s.KIND, meta["namespace"], meta["name"])  # type: ignore[assignment]
     if body is None:
@@ -220,27 +217,20 @@ def autoscale(body: dict[str, Any], cluster: Cluster, history: a.ScalingHistory,
                    for role in ROLES}
     if any(d is None for d in deployments.values()):
         return None
-    # what the reconcile pass applies (the Deployments' replicas, unless someone edited them by hand: that edit is
-    # reverted, not taken as the pool's size)
-    current = {role: n for role, (n, _) in r.worker_replicas(spec, body.get("status") or {}).items()}
+    current = {role: r.applied_replicas(dep) for role, dep in deployments.items()}  # type: ignore[arg-type]
     pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, m.label_selector(owner, role))
             for role in ROLES}
-    targets = [t for role in ROLES for t in scrape_targets(pods[role], role)]
-    source = spec.autoscaling.metrics_source
-    samples = (from_prometheus(targets, source, clock) if source.type == "prometheus"
-               else scrape(targets, source.timeout_seconds, clock))
-    by_role = {role: [smp for smp in samples if smp.role == role] for role in ROLES}
-    decision = a.decide(by_role, current, policy_from_spec(spec.autoscaling), history, clock())
     dry_run = spec.autoscaling.dry_run
-    old = body.get("status") or {}
-    scaled, changes = scaling_status(decision, old.get("autoscaling") or {}, dry_run, now)
-    result = AutoscaleResult(decision, decision.history, spec.autoscaling.interval_seconds, dry_run, changes)
+    outcome = run_pass(lambda: _read_samples(spec, pods, clock), {role: removable_pods(pods[role]) for role in ROLES},
+                       current, policy_from_spec(spec.autoscaling), state, clock(), dry_run)
+    result = AutoscaleResult(outcome.decision, outcome.state, spec.autoscaling.interval_seconds, dry_run,
+                             outcome.changes)
     if not dry_run:
-        for role, d in decision.roles.items():
-            if d.desired < d.current:
-                _mark_victims(cluster, owner.namespace, pods[role], pods_to_remove(by_role[role],
-                                                                                    d.current - d.desired), result)
-    conditions = scaling_conditions(decision, old.get("conditions") or [], int(meta.get("generation", 0)), now)
+        _apply(cluster, owner.namespace, deployments, pods, outcome, result)  # type: ignore[arg-type]
+    old = body.get("status") or {}
+    scaled = scaling_status(outcome.decision, outcome.changes, old.get("autoscaling") or {}, dry_run)
+    conditions = scaling_conditions(outcome.decision, old.get("conditions") or [], int(meta.get("generation", 0)),
+                                    now)
     if scaled != old.get("autoscaling") or conditions != old.get("conditions"):
         cluster.patch(s.API_VERSION, s.KIND, owner.namespace, owner.name,
                       {"status": {"autoscaling": r.merge_patch(old.get("autoscaling") or {}, scaled),
@@ -262,7 +252,7 @@ class OperatorMetrics:
         self.decisions = Counter("disagg_operator_scaling_decisions", "Autoscaling decisions per pool, by reason.",
                                  (*labels, "reason"), registry=self.registry)
 
-    def observe(self, namespace: str, name: str, decision: a.Decision) -> None:
+    def observe(self, namespace: str, name: str, decision: Decision) -> None:
         for role, d in decision.roles.items():
             self.desired_replicas.labels(namespace, name, role).set(d.desired)
             self.decisions.labels(namespace, name, role, d.reason).inc()

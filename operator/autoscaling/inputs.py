@@ -1,16 +1,16 @@
 """Inputs of the autoscaling policy: the policy itself (targets, bounds, windows; built from `spec.autoscaling`) and
-the aggregation of each role's pod samples into the numbers the policy compares with those targets (autoscale.py).
+the aggregation of each role's pod samples into the numbers the policy compares with those targets (policy.py).
 Pure: no I/O."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.operator import metrics_source as m
-from disagg.operator.metrics_source import PodSample, histogram_delta, histogram_quantile, merge_histograms
+from disagg.operator.autoscaling import samples as m
+from disagg.operator.autoscaling.samples import (PROMPT_TOKENS, PodSample, histogram_delta, histogram_quantile,
+                                                 merge_histograms)
 
 
 ROLES = ("prefill", "decode")
-PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: prompt tokens a worker has prefilled
 
 
 # ---------------------------------------------------------------- policy

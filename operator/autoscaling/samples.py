@@ -1,0 +1,98 @@
+"""What the autoscaler reads from a worker: the metric names (vLLM's where vLLM has the metric), one read of one
+pod (`PodSample`), and the arithmetic on cumulative histograms that turns two reads into a window. Pure: no I/O;
+the sources (sources.py) produce these, the policy (inputs.py, classify.py, policy.py) consumes them."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Names as the workers export them (vLLM's where vLLM has the metric). Counters drop the "_total" suffix here.
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # fraction 0..1, as in vLLM
+TTFT = "vllm:time_to_first_token_seconds"  # histogram
+ITL = "vllm:inter_token_latency_seconds"  # histogram
+XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
+FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"  # counter
+EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs"  # counter
+PENDING_SENDS = "disagg:kv_pending_sends"  # gauge, prefill: requests whose KV waits to be pulled
+PENDING_LOADS = "disagg:kv_pending_loads"  # gauge, decode: requests waiting for remote KV
+WAITING_PROMPT_TOKENS = "disagg:num_waiting_prompt_tokens"  # gauge, prompt tokens of waiting requests
+PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: prompt tokens a worker has prefilled
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram, cumulative as exported."""
+
+    buckets: tuple[tuple[float, float], ...]  # (upper bound `le`, cumulative count), ascending, last is +inf
+    sum: float  # sum of observations (seconds for latency histograms)
+    count: float  # number of observations
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+
+@dataclass
+class PodSample:
+    """One read of one pod's metrics."""
+
+    pod: str  # pod name (or the endpoint, outside Kubernetes)
+    role: str  # "prefill" | "decode"
+    timestamp: float  # seconds: when the values were read (scraper clock, or Prometheus' scrape time)
+    values: dict[str, float] = field(default_factory=dict)  # gauge/counter name -> value, summed over label sets
+    histograms: dict[str, Histogram] = field(default_factory=dict)  # name -> cumulative, summed over label sets
+    error: str | None = None  # why nothing was read (timeout, refused, HTTP status, parse error)
+
+    @property
+    def missing(self) -> bool:
+        return self.error is not None
+
+
+# ---------------------------------------------------------------- histogram arithmetic
+def merge_histograms(hs: Iterable[Histogram]) -> Histogram | None:
+    """Sum histograms with the same bucket bounds (pods of one deployment); None for none."""
+    hs = list(hs)
+    if not hs:
+        return None
+    counts: dict[float, float] = defaultdict(float)
+    for h in hs:
+        for le, c in h.buckets:
+            counts[le] += c
+    return Histogram(tuple(sorted(counts.items())), sum(h.sum for h in hs), sum(h.count for h in hs))
+
+
+def histogram_delta(cur: Histogram, prev: Histogram | None) -> Histogram | None:
+    """Observations between two reads; None on a counter reset (pod restarted) or changed bounds."""
+    if prev is None:
+        return None
+    if cur.count < prev.count or [b for b, _ in cur.buckets] != [b for b, _ in prev.buckets]:
+        return None
+    buckets = tuple((le, c - p) for (le, c), (_, p) in zip(cur.buckets, prev.buckets))
+    return Histogram(buckets, cur.sum - prev.sum, cur.count - prev.count)
+
+
+def histogram_quantile(q: float, h: Histogram) -> float | None:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket; None without observations.
+    A quantile in the +Inf bucket returns the highest finite bound (as Prometheus does)."""
+    if h.count <= 0 or not h.buckets:
+        return None
+    rank = q * h.buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for le, c in h.buckets:
+        if c >= rank and c > lower_count:
+            if math.isinf(le):
+                return lower_bound
+            return lower_bound + (le - lower_bound) * (rank - lower_count) / (c - lower_count)
+        lower_bound, lower_count = le, c
+    return lower_bound
+
+
+def pod_load(sample: PodSample) -> float:
+    """Work a pod would have to finish (or hand over) before it can go: requests running or queued, KV held for
+    a reader or awaited from a sender."""
+    v = sample.values
+    return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS))

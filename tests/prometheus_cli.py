@@ -1,0 +1,112 @@
+"""Prometheus for the monitoring tests: the chart's dashboard and alert rules as rendered, the metric names the
+worker, router and operator really export, and a real Prometheus server on loopback (Debian's `prometheus`
+package, installed by .ci/run; the tests skip when the binary is missing)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from helm_cli import template
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "disagg-operator"
+DASHBOARD = CHART / "dashboards" / "disagg.json"
+MISSING = "the prometheus binary is not installed (Debian: apt-get install prometheus; .ci/run does)"
+
+# metric names in PromQL: ours carry a `vllm:`/`disagg:` or `disagg_operator_` prefix; `up` is Prometheus' own
+METRIC_NAME = re.compile(r"\b(?:(?:vllm|disagg):[A-Za-z0-9_:]+|disagg_operator_[a-z_]+|up(?=\{))")
+SELECTOR = re.compile(r"\b((?:vllm|disagg):[A-Za-z0-9_:]+|disagg_operator_[a-z_]+|up)(\{[^}]*\})?")
+
+
+def binary(name: str) -> str | None:
+    return shutil.which(name)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the three exporters can emit (counters with _total, histograms' three series), plus up."""
+    from disagg.operator.autoscaling.cluster import OperatorMetrics
+    from disagg.worker.router.metrics import RouterMetrics
+    from disagg.worker.server.metrics import WorkerMetrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    names = {"up"}
+    for registry in (WorkerMetrics("m", "decode").registry, RouterMetrics("m").registry, OperatorMetrics().registry):
+        for family in registry.collect():
+            names |= {family.name + s for s in suffixes[family.type]}
+    return names
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel target."""
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", ())]
+
+
+def substitute(expr: str, variables: dict[str, str]) -> str:
+    """Grafana's template variables replaced as Grafana would (regex values for the multi-value ones)."""
+    for name in sorted(variables, key=len, reverse=True):  # $__rate_interval before $role etc.
+        expr = expr.replace("$" + name, variables[name])
+    return expr
+
+
+def render_monitoring(helm_home: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the dashboard ConfigMap, the PrometheusRule) of the chart with both enabled."""
+    docs = template(CHART, helm_home, "--set", "monitoring.dashboards.enabled=true",
+                    "--set", "monitoring.prometheusRule.enabled=true", *args)
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")]
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    return cm, rule
+
+
+def write_rules_file(rule: dict[str, Any], path: Path) -> Path:
+    """The PrometheusRule's spec is a Prometheus rules file as is."""
+    path.write_text(yaml.safe_dump(rule["spec"], sort_keys=False))
+    return path
+
+
+def alerts(rule: dict[str, Any]) -> dict[str, str]:
+    return {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+
+
+def load_dashboard(cm: dict[str, Any]) -> dict[str, Any]:
+    (payload,) = cm["data"].values()
+    return json.loads(payload)
+
+
+class PrometheusServer:
+    """`prometheus` on 127.0.0.1:port with its TSDB in a temp dir; stop() terminates it (and is idempotent)."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log = open(workdir / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+             "--storage.tsdb.retention.time=1h"], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, f"prometheus exited: {Path(self.log.name).read_text()[-2000:]}"
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def query(self, promql: str) -> dict[str, Any]:
+        """The /api/v1/query answer (status, data or errorType/error), whatever the HTTP status."""
+        return httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
