@@ -19,6 +19,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(here):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.timeout(1500))  # vLLM starts in ~1 min alone, several on a busy machine
             if not os.environ.get(VLLM_ENV):
                 item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -33,15 +34,15 @@ wait_for = functools.partial(waiting.wait_for, interval=0.5)
 ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
 
 
-def vllm_spec(model_dir: str, decode_replicas: int = 1) -> dict:
+def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> dict:
     env = [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]
     return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": "vllm-up"},
             "spec": {"engine": "vllm", "engineArgs": ENGINE_ARGS,
                      "model": {"servedName": MODEL, "source": {"path": model_dir}, "dtype": "float32",
                                "maxModelLen": 512},
                      "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 60},
-                     "prefill": {"replicas": 1, "env": env, "terminationGracePeriodSeconds": 90},
-                     "decode": {"replicas": decode_replicas, "env": env, "terminationGracePeriodSeconds": 90},
+                     "prefill": {"replicas": 1, "env": env, "terminationGracePeriodSeconds": grace_s},
+                     "decode": {"replicas": decode_replicas, "env": env, "terminationGracePeriodSeconds": grace_s},
                      "router": {"policy": "least-loaded"}}}
 
 
@@ -148,6 +149,36 @@ def test_kv_moved_over_nixl(up):
     assert metric_sum(decode, 'vllm:prompt_tokens_by_source_total{engine="0",model_name="' + MODEL
                       + '",source="external_kv_transfer"}') > 0
     assert metric_sum(prefill, "vllm:prompt_tokens_total") > 0
+
+
+def test_the_autoscaler_decides_from_live_vllm_metrics(up):
+    """The operator's scrape and policy on vLLM's own /metrics: the signals vLLM has (waiting requests, KV usage,
+    TTFT, ITL, NIXL transfer time and failures) are measured; at this light load nothing scales. vLLM has no
+    disagg:kv_pending_sends/loads: the policy reads them as 0 (no KV back-pressure signal) - see the report."""
+    from disagg.operator.autoscaling.inputs import policy_from_spec
+    from disagg.operator.autoscaling.policy import ScalingHistory, decide
+    from disagg.operator.autoscaling.sources import scrape_pods
+    from disagg.operator.spec import AutoscalingSpec
+
+    policy = policy_from_spec(AutoscalingSpec.model_validate(
+        {"enabled": True, "targets": {"transfer": {"kvTransferTimeMilliseconds": 60000}}}))
+    targets = [(f"{up['urls'][name]}/metrics", name, name.split("-")[0]) for name in ("prefill-0", "decode-0")]
+
+    def decide_now(history: ScalingHistory):
+        samples = scrape_pods(targets, timeout=30)
+        assert [s.error for s in samples] == [None, None]
+        by_role = {role: [s for s in samples if s.role == role] for role in ("prefill", "decode")}
+        return decide(by_role, {"prefill": 1, "decode": 1}, policy, history, time.time())
+
+    first = decide_now(ScalingHistory())
+    generate(up["router"], "completion", True)  # traffic inside the window: latency histograms move
+    second = decide_now(first.history)
+    m = second.metrics
+    for name in ("prefill_waiting_requests_per_pod", "decode_kv_cache_usage", "prefill_ttft_seconds",
+                 "decode_itl_seconds", "xfer_time_seconds", "failed_transfers"):
+        assert m[name] is not None, (name, m)
+    assert 0 <= m["decode_kv_cache_usage"] <= 1 and m["failed_transfers"] == 0
+    assert {r: (d.current, d.desired) for r, d in second.roles.items()} == {"prefill": (1, 1), "decode": (1, 1)}
 
 
 def test_sigterm_stops_every_vllm_process(up):
