@@ -96,9 +96,9 @@ def running(url: str) -> float:
 
 
 def _scale_down_under_load(router, workers, leaving, results) -> None:
-    # retire decode-1 while it is serving requests (the least-loaded rule is bypassed on purpose)
+    # retire decode-1 while it is serving requests
     wait_for(lambda: running(leaving.spec.url) > 0, 300, "decode-1 busy")
-    workers.retire("decode", 1, {"decode-0": 1e9, "decode-1": 0.0})
+    workers.retire("decode", ["decode-1"])
     wait_for(lambda: (workers.step(), leaving not in workers.workers)[1], GRACE_S, "decode-1 to drain and exit")
     done_at_exit = len(results)
     # the router sends on to decode-0 alone: more requests after decode-1 is gone
