@@ -1,11 +1,14 @@
-"""P/D serving vs one colocated worker on the same machine, at fixed request rates.
+"""P/D serving vs one colocated worker on the same machine, at fixed request rates, per engine.
 
-For each deployment - `disagg up` (router + 1 prefill + 1 decode, NIXL by default) and one `disagg worker
---role both` - sends streaming completions with Poisson arrivals at each rate and measures, client-side,
-time to first token (TTFT) and inter-token latency (ITL), p50/p90. For P/D it also reads the decode
-worker's vllm:nixl_xfer_time_seconds to give the KV transfer's share of TTFT. Prints P/D / colocated ratios.
+For each engine (--engine disagg vllm: both, side by side) and each deployment - `disagg up` (router + 1 prefill +
+1 decode, NIXL by default) and one colocated worker (`disagg worker --role both`, or `vllm serve` without a KV
+connector) - sends streaming completions with Poisson arrivals at each rate and measures, client-side, time to
+first token (TTFT) and inter-token latency (ITL), p50/p90. For P/D it also reads the decode worker's
+vllm:nixl_xfer_time_seconds to give the KV transfer's share of TTFT. Prints P/D / colocated ratios. Both engines
+serve the same generated checkpoint (head size 64, which vLLM's CPU attention needs) and the same prompts.
 
     python bench/pd_serving.py [--rates 2 4] [--num-requests 24] [--connector NixlConnector]
+    DISAGG_VLLM=.venv-vllm/bin/vllm python bench/pd_serving.py --engine disagg vllm
     python bench/pd_serving.py --plot pd.png   # also TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)
 
 The deployments run one after the other so they never share the CPU. Not a test.
@@ -53,7 +56,8 @@ def metric_sum(url: str, name: str) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     start = time.perf_counter()
     times: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
@@ -93,18 +97,30 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None
         time.sleep(0.2)
 
 
-def start_pd(tmp: Path, connector: str, worker_args: list[str]) -> tuple[subprocess.Popen, str, str]:
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+STARTUP_S = {"disagg": 180, "vllm": 600}
+
+
+def start_pd(tmp: Path, connector: str, engine: str, model_dir: str,
+             worker_args: list[str]) -> tuple[subprocess.Popen, str, str]:
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
-    doc["spec"]["kvTransfer"]["connector"] = connector
-    doc["spec"]["decode"]["replicas"] = 1
-    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
+    spec = doc["spec"]
+    spec["kvTransfer"]["connector"] = connector
+    spec["decode"]["replicas"] = 1
+    spec["model"]["source"] = {"path": model_dir}
+    spec["engine"] = engine
+    if engine == "vllm":
+        for role in ("prefill", "decode"):
+            spec[role]["env"] = [{"name": k, "value": v} for k, v in VLLM_ENV.items()]
+    (tmp / f"spec-{engine}.yaml").write_text(yaml.safe_dump(doc))
     port = free_port()
-    out = tmp / "up.out"
-    proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / "spec.yaml"), "--port", str(port), "--log-dir",
-                             str(tmp / "logs"), *(f"--worker-arg={a}" for a in worker_args)],
+    out = tmp / f"up-{engine}.out"
+    extra = [f"--worker-arg={a}" for a in worker_args] if engine == "disagg" else []
+    proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / f"spec-{engine}.yaml"), "--port", str(port), "--log-dir",
+                             str(tmp / f"logs-{engine}"), "--startup-timeout", str(STARTUP_S[engine]), *extra],
                             stdout=out.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + STARTUP_S[engine] + 30
     while "serving" not in out.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"disagg up failed:\n{out.read_text()}")
@@ -113,14 +129,28 @@ def start_pd(tmp: Path, connector: str, worker_args: list[str]) -> tuple[subproc
     return proc, url, decode
 
 
-def start_colocated(tmp: Path, worker_args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_colocated(tmp: Path, engine: str, model_dir: str, worker_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([*CLI, "worker", "--role", "both", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "512", *worker_args],
-                            stdout=(tmp / "both.log").open("w"), stderr=subprocess.STDOUT)
+    common = ["--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+              "--max-model-len", "512"]
+    if engine == "vllm":
+        argv, env = [vllm_executable(), "serve", model_dir, *common], {**os.environ, **VLLM_ENV}
+    else:
+        argv, env = [*CLI, "worker", "--role", "both", "--model", model_dir, *common, *worker_args], None
+    proc = subprocess.Popen(argv, stdout=(tmp / f"colocated-{engine}.log").open("w"), stderr=subprocess.STDOUT,
+                            env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc)
+    wait_ready(url, proc, STARTUP_S[engine])
     return proc, url
+
+
+def vllm_executable() -> str:
+    from disagg.worker.local.launcher import find_vllm
+
+    try:
+        return find_vllm()
+    except ValueError as e:
+        raise SystemExit(str(e))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -152,43 +182,64 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=150, help="~2.4 tokens per word with the tiny tokenizer")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--connector", default="NixlConnector")
+    p.add_argument("--engine", nargs="+", choices=["disagg", "vllm"], default=["disagg"],
+                   help="engines to measure, one after the other (vllm: $DISAGG_VLLM or `vllm` on PATH)")
     p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
     args = p.parse_args()
+    if "vllm" in args.engine:
+        vllm_executable()  # fail before measuring anything
     # one intra-op thread per process: on a small machine several torch processes with a thread per core
     # each spin against one another and the tails measure that, not serving (seen: 30x swings run to run)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     worker_args = ["--num-kv-blocks=1024"]
+    results: dict[str, tuple[dict, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as d:
         tmp = Path(d)
-        proc, url = start_colocated(tmp, worker_args)
-        try:
-            colo = measure(url, args, None)
-        finally:
-            stop(proc)
-        proc, url, decode = start_pd(tmp, args.connector, worker_args)
-        try:
-            pd = measure(url, args, decode if args.connector == "NixlConnector" else None)
-        finally:
-            stop(proc)
+        from disagg.worker.model import write_tiny_checkpoint
+
+        model_dir = str(write_tiny_checkpoint(tmp / "model", hidden_size=256, num_heads=4, num_kv_heads=2,
+                                              intermediate_size=512, num_layers=2))
+        for engine in args.engine:
+            proc, url = start_colocated(tmp, engine, model_dir, worker_args)
+            try:
+                colo = measure(url, args, None)
+            finally:
+                stop(proc)
+            proc, url, decode = start_pd(tmp, args.connector, engine, model_dir, worker_args)
+            try:
+                pd = measure(url, args, decode if args.connector == "NixlConnector" else None)
+            finally:
+                stop(proc)
+            results[engine] = colo, pd
+    report(args, results)
+    return 0
+
+
+def report(args: argparse.Namespace, results: dict[str, tuple[dict, dict]]) -> None:
     ms = lambda s: f"{s * 1000:8.1f}"  # noqa: E731
-    print(f"\nP/D ({args.connector}, router + 1 prefill + 1 decode) vs 1 colocated worker; "
+    print(f"\nP/D ({args.connector}, router + 1 prefill + 1 decode) vs 1 colocated worker, per engine; "
           f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
           f"{args.max_tokens} tokens out; times in ms")
-    print(f"{'rate/s':>7} {'setup':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>9} {'ITL p90':>9} {'KV xfer':>9}")
-    for rate in args.rates:
-        for name, r in (("colocated", colo[rate]), ("P/D", pd[rate])):
-            xfer = f"{ms(r['xfer_mean'])} ({r['xfer_mean'] / r['ttft_mean']:.1%} of TTFT)" if "xfer_mean" in r else ""
-            print(f"{rate:7.1f} {name:>10} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} {ms(r['itl_p50'])} "
-                  f"{ms(r['itl_p90'])} {xfer}")
-        c, q = colo[rate], pd[rate]
-        print(f"{rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x {q['ttft_p90'] / c['ttft_p90']:8.2f}x "
-              f"{q['itl_p50'] / c['itl_p50']:8.2f}x {q['itl_p90'] / c['itl_p90']:8.2f}x")
+    print(f"{'engine':>7} {'rate/s':>7} {'setup':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>9} {'ITL p90':>9} "
+          f"{'KV xfer':>9}")
+    for engine, (colo, pd) in results.items():
+        for rate in args.rates:
+            for name, r in (("colocated", colo[rate]), ("P/D", pd[rate])):
+                xfer = (f"{ms(r['xfer_mean'])} ({r['xfer_mean'] / r['ttft_mean']:.1%} of TTFT)"
+                        if "xfer_mean" in r else "")
+                print(f"{engine:>7} {rate:7.1f} {name:>10} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} "
+                      f"{ms(r['itl_p50'])} {ms(r['itl_p90'])} {xfer}")
+            c, q = colo[rate], pd[rate]
+            print(f"{engine:>7} {rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x "
+                  f"{q['ttft_p90'] / c['ttft_p90']:8.2f}x {q['itl_p50'] / c['itl_p50']:8.2f}x "
+                  f"{q['itl_p90'] / c['itl_p90']:8.2f}x")
     if args.plot:
-        plot_latency_cdfs(args.plot, {"colocated": colo, f"P/D ({args.connector})": pd},
-                          f"P/D (router + 1 prefill + 1 decode) vs 1 colocated worker: {args.num_requests} streaming "
-                          f"requests per rate, ~{args.prompt_words}-word prompts, {args.max_tokens} tokens out")
+        runs = {f"{engine} {name}": r for engine, (colo, pd) in results.items()
+                for name, r in (("colocated", colo), (f"P/D ({args.connector})", pd))}
+        plot_latency_cdfs(args.plot, runs, f"P/D (router + 1 prefill + 1 decode) vs 1 colocated worker per engine: "
+                          f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
+                          f"{args.max_tokens} tokens out")
         print(f"plot: {args.plot}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ def stable_hash(obj: Any, length: int = 16) -> str:
 
 
 def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
-    """What prefill and decode must share for KV blocks to be compatible: model, image, KV transfer."""
-    return stable_hash(spec.model_dump(by_alias=True, include={"model", "image", "kv_transfer"}), 10)
+    """What prefill and decode must share for KV blocks to be compatible: model, image, KV transfer (and the
+    engine when it is not the default, so that revisions of existing disagg resources stay as they were)."""
+    fields = {"model", "image", "kv_transfer"} | ({"engine", "engine_image"} if spec.engine != "disagg" else set())
+    return stable_hash(spec.model_dump(by_alias=True, include=fields), 10)
 
 
 def child_name(owner: Owner, component: Component) -> str:
@@ -97,6 +99,19 @@ def model_dir(spec: s.DisaggregatedInferenceSpec) -> str:
     if src.path is None:
         raise ValueError("spec.model.source: a generated checkpoint cannot run on Kubernetes")
     return src.path
+
+
+# engine vllm: the root filesystem is read-only, so vLLM's caches (compile, torch inductor) go to the /tmp emptyDir
+VLLM_POD_ENV = {"VLLM_CACHE_ROOT": f"{TMP_DIR}/vllm", "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
+                "HOME": TMP_DIR}
+
+
+def worker_image(spec: s.DisaggregatedInferenceSpec) -> str | None:
+    return spec.engine_image or spec.image if spec.engine == "vllm" else spec.image
+
+
+def ready_path(spec: s.DisaggregatedInferenceSpec) -> str:
+    return "/health" if spec.engine == "vllm" else "/ready"
 
 
 def worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
@@ -224,31 +239,34 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
     command = worker_command(spec, role)
     tmp, tmp_mount = _tmp_volume()
     rdma = spec.kv_transfer.rdma
-    devices = {"nvidia.com/gpu": r.resources.gpus}
+    devices = {"nvidia.com/gpu": s.worker_gpus(spec, role)}
     if rdma.enabled and rdma.resource_name:
         devices[rdma.resource_name] = 1
     shm: dict[str, Any] = {"medium": "Memory"}
     if r.shared_memory_size is not None:
         shm["sizeLimit"] = str(r.shared_memory_size)
+    engine_env = {**command.env, **(VLLM_POD_ENV if spec.engine == "vllm" else {})}
     container: dict[str, Any] = {
         "name": role,
-        "image": spec.image,
+        "image": worker_image(spec),
         "command": command.argv[:1],
         "args": command.argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"}],
-        "env": _downward_env() + [{"name": k, "value": v} for k, v in command.env.items()] + _user_env(r.env),
+        "env": _downward_env() + [{"name": k, "value": v} for k, v in engine_env.items()] + _user_env(r.env),
         "resources": _resources(r.resources, devices),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_mount, *mounts],
         # loading weights can take long: the startup probe holds liveness off until /health answers
         "startupProbe": _probe("/health", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/ready", 5, 2),
+        # vLLM has no /ready: its /health answers once the engine serves; a terminating vLLM pod leaves the
+        # router because discovery drops pods with a deletionTimestamp, and the preStop wait covers the gap
+        "readinessProbe": _probe(ready_path(spec), 5, 2),
         "securityContext": container_security_context(worker_capabilities(spec)),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    if r.drain_delay_seconds:  # /ready turns false on SIGTERM; the wait lets the router notice first
+    if r.drain_delay_seconds:  # the router stops sending (disagg: /ready turns false on SIGTERM) before SIGTERM
         container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),

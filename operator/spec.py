@@ -289,10 +289,26 @@ class AutoscalingSpec(_Model):
 
 
 # ---------------------------------------------------------------- the spec
+Engine = Literal["disagg", "vllm"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+# connectors each engine can run; vLLM's workers speak our kv_transfer_params protocol through its NixlConnector
+VLLM_CONNECTORS = ("NixlConnector",)
+
+
 class DisaggregatedInferenceSpec(_Model):
     model: ModelSpec
+    engine: Engine = Field("disagg", description="What runs in prefill and decode pods: disagg (the built-in "
+                           "worker, `disagg worker`) or vllm (`vllm serve` with vLLM's NixlConnector). One field "
+                           "for both roles: KV layouts differ between engines, so they never mix.")
+    engine_args: list[str] = Field(default_factory=list, description="Passed to both roles' engine command "
+                                   "(`disagg worker` or `vllm serve`) before each role's extraArgs, e.g. "
+                                   "[--max-num-seqs, '64'].")
     image: str | None = Field(None, min_length=1, max_length=512,
-                              description="Worker image (entrypoint `disagg`); required on Kubernetes.")
+                              description="Image with `disagg` (router, model download; the workers when engine "
+                              "is disagg); required on Kubernetes.")
+    engine_image: str | None = Field(None, min_length=1, max_length=512, description="engine vllm: the prefill "
+                                     "and decode containers' image (`vllm` on PATH, e.g. a vllm-openai image); "
+                                     "default image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: list[str] = Field(default_factory=list)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
@@ -404,7 +420,7 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
     problems: list[Problem] = []
     if (why := connector_problem(spec.kv_transfer.connector)) is not None:
         problems.append(Problem("spec.kvTransfer.connector", why))
-    problems += _model_problems(spec) + _parallel_problems(spec)
+    problems += _model_problems(spec) + _parallel_problems(spec) + _engine_problems(spec)
     a = spec.autoscaling
     for role in ("prefill", "decode"):
         bounds: ReplicaBounds = getattr(a, role)
@@ -462,11 +478,35 @@ def _model_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
 
 
 def _parallel_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
-    """The built-in engine runs one device per worker: no tensor parallelism (yet)."""
+    """The built-in engine runs one device per worker: no tensor parallelism (yet). vLLM shards over
+    tensorParallelSize GPUs of one pod: resources.gpus, when set, must give it that many."""
+    if spec.engine == "vllm":
+        return [Problem(f"spec.{role}.resources.gpus",
+                        f"{r.resources.gpus} GPUs cannot hold tensorParallelSize {r.tensor_parallel_size}: "
+                        f"set gpus >= {r.tensor_parallel_size} or leave it 0 (then the pod requests "
+                        "tensorParallelSize GPUs)")
+                for role in ("prefill", "decode")
+                if 0 < (r := getattr(spec, role)).resources.gpus < r.tensor_parallel_size]
     return [Problem(f"spec.{role}.tensorParallelSize",
                     f"{getattr(spec, role).tensor_parallel_size} is not supported by the built-in engine, which "
                     "runs one device per worker: use 1")
             for role in ("prefill", "decode") if getattr(spec, role).tensor_parallel_size != 1]
+
+
+def _engine_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
+    if spec.engine == "vllm" and spec.kv_transfer.connector not in VLLM_CONNECTORS:
+        return [Problem("spec.kvTransfer.connector",
+                        f"{spec.kv_transfer.connector} does not run with engine vllm: use "
+                        f"{', '.join(VLLM_CONNECTORS)} (vLLM's own, which speaks the router's KV protocol)")]
+    return []
+
+
+def worker_gpus(spec: DisaggregatedInferenceSpec, role: str) -> int:
+    """nvidia.com/gpu per pod: resources.gpus; with engine vllm at least tensorParallelSize when above 1."""
+    r: RoleSpec = getattr(spec, role)
+    if spec.engine == "vllm" and r.tensor_parallel_size > 1:
+        return max(r.resources.gpus, r.tensor_parallel_size)
+    return r.resources.gpus
 
 
 def request_drain_seconds(spec: DisaggregatedInferenceSpec, role: str) -> int:

@@ -10,9 +10,10 @@ Pure: no API calls, no processes. Standard library + the spec models only (the o
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from disagg.operator import spec as s
 from disagg.worker.kv_transfer.connectors import declaration_of
@@ -20,6 +21,7 @@ from disagg.worker.kv_transfer.connectors import declaration_of
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 EXECUTABLE = "disagg"  # the image's entrypoint; `disagg up` runs the same CLI with its own interpreter
+VLLM_EXECUTABLE = "vllm"  # engine vllm: on the engine image's PATH; `disagg up` takes a configured path
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,15 @@ class WorkerCommand:
 
 
 def build_worker_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
-    kv, r = spec.kv_transfer, getattr(spec, role)
+    """The engine's command: `disagg worker ...` or `vllm serve ...`, then spec.engineArgs, then the role's
+    extraArgs (last, so a user's flag wins where the engine lets a later flag override)."""
+    build = _vllm_command if spec.engine == "vllm" else _disagg_command
+    command = build(spec, role, placement)
+    return WorkerCommand([*command.argv, *spec.engine_args, *getattr(spec, role).extra_args], command.env)
+
+
+def _disagg_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
+    kv = spec.kv_transfer
     argv = [EXECUTABLE, "worker", "--role", role, "--model", placement.model_dir,
             "--served-model-name", spec.model.served_name,
             "--host", placement.host, "--port", str(placement.port), "--dtype", spec.model.dtype,
@@ -57,7 +67,36 @@ def build_worker_command(spec: s.DisaggregatedInferenceSpec, role: Role, placeme
         argv += [setting.flag, str(value)]
     if spec.model.max_model_len is not None:
         argv += ["--max-model-len", str(spec.model.max_model_len)]
-    return WorkerCommand(argv + list(r.extra_args))
+    return WorkerCommand(argv)
+
+
+def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
+    """vLLM's NixlConnector per role: prefill produces KV (kept for decode to pull for the lease), decode
+    consumes it. The buffer is host memory without GPUs (vLLM's CPU build), device memory with them."""
+    kv = spec.kv_transfer
+    return {"kv_connector": kv.connector,
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cuda" if s.worker_gpus(spec, role) else "cpu",
+            "kv_load_failure_policy": kv.load_failure_policy,
+            "kv_connector_extra_config": {"kv_lease_duration": kv.lease_seconds}}
+
+
+def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
+    r: s.RoleSpec = getattr(spec, role)
+    argv = [VLLM_EXECUTABLE, "serve", placement.model_dir, "--served-model-name", spec.model.served_name,
+            "--host", placement.host, "--port", str(placement.port), "--dtype", spec.model.dtype,
+            "--tensor-parallel-size", str(r.tensor_parallel_size),
+            "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(spec, role), separators=(",", ":")),
+            # SIGTERM: vLLM's default (0) aborts running requests; this drains them, inside the grace period
+            "--shutdown-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
+    if spec.model.max_model_len is not None:
+        argv += ["--max-model-len", str(spec.model.max_model_len)]
+    env = {
+        # the address decode workers reach this worker's NIXL side channel at (vLLM binds it too)
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.advertise_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(placement.side_channel_port),
+    }
+    return WorkerCommand(argv, env)
 
 
 def model_cache_dir(spec: s.DisaggregatedInferenceSpec, cache_root: str) -> str:
@@ -94,22 +133,27 @@ def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[s.Problem]:
     placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared")
     problems = []
     for role in ROLES:
+        build = _vllm_command if spec.engine == "vllm" else _disagg_command
         try:
+            owned = _owned_flags(build(spec, role, placement).argv)
             argv = build_worker_command(spec, role, placement).argv
         except ValueError as e:
             problems.append(s.Problem(f"spec.{role}", str(e)))
             continue
         where = f"spec.{role}.extraArgs"
-        owned = _owned_flags(argv[: len(argv) - len(getattr(spec, role).extra_args)])
-        for arg in getattr(spec, role).extra_args:
-            if arg.split("=", 1)[0] in owned:
-                problems.append(s.Problem(where, f"{arg.split('=', 1)[0]} is set by the operator from the spec; "
-                                                 "change the spec field instead"))
+        given = (("engineArgs", spec.engine_args), (f"{role}.extraArgs", getattr(spec, role).extra_args))
+        for field_name, args in given:
+            for flag in (a.split("=", 1)[0] for a in args):
+                if flag in owned:
+                    problems.append(s.Problem(f"spec.{field_name}", f"{flag} is set by the operator from the spec; "
+                                                                    "change the spec field instead"))
+        if spec.engine == "vllm":
+            continue  # vLLM's parser is not importable here (the operator image has no vLLM); its tier runs it
         try:
             parse_worker_args(argv[2:])
         except ValueError as e:
             problems.append(s.Problem(where, f"the worker rejects its command line: {e}"))
-    return problems
+    return list(dict.fromkeys(problems))  # engineArgs are in both roles' commands: one problem each
 
 
 def _owned_flags(argv: list[str]) -> set[str]:

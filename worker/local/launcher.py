@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from disagg.worker.local.process import (
 logger = logging.getLogger("disagg.launcher")
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
+VLLM_ENV = "DISAGG_VLLM"  # the `vllm` executable when it is not on PATH (tests, CI: .ci/install-vllm.sh's)
 ROUTER_PROBE_INTERVAL_S = 1.0  # the router's /ready probes and endpoints-file checks
 
 
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every process")
     p.add_argument("--status-port", type=int, help="serve /health and /ready of the whole set on this port")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeat)")
+    p.add_argument("--vllm", metavar="PATH", help="engine vllm: the `vllm` executable (default: $DISAGG_VLLM, "
+                   "else `vllm` on PATH)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -76,16 +81,30 @@ def _download(spec: Any, cache_root: Path) -> Path:
         raise ValueError(f"spec.model.source: {e}") from None
 
 
+def find_vllm(configured: str | None = None) -> str:
+    """The `vllm` executable for engine vllm: `configured` (--vllm), else $DISAGG_VLLM, else `vllm` on PATH."""
+    candidate = configured or os.environ.get(VLLM_ENV) or shutil.which("vllm")
+    if not candidate:
+        raise ValueError(f"spec.engine is vllm but vLLM is not installed: no `vllm` on PATH; install vLLM "
+                         f"(e.g. .ci/install-vllm.sh) and pass --vllm PATH or set {VLLM_ENV}")
+    path = shutil.which(candidate)
+    if path is None:
+        raise ValueError(f"spec.engine is vllm but {candidate!r} is not an executable (from --vllm or {VLLM_ENV})")
+    return path
+
+
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
-                worker_args: list[str] = ()) -> ProcessSpec:
+                worker_args: list[str] = (), vllm_executable: str | None = None) -> ProcessSpec:
     """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's command
-    (operator/worker_command.py) with this machine's placement."""
+    (operator/worker_command.py) with this machine's placement. Engine disagg runs with this interpreter,
+    engine vllm with `vllm_executable`."""
     from disagg.operator.worker_command import Placement, build_worker_command
 
     port = port_for()
     command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir))
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
-    return ProcessSpec(f"{role}-{index}", [*CLI, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
+    program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
+    return ProcessSpec(f"{role}-{index}", [*program, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
                        role)
 
 
@@ -99,10 +118,11 @@ def initial_replicas(spec: Any, role: str) -> int:
 
 
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
-         worker_args: list[str] = (), endpoints_file: str | None = None) -> list[ProcessSpec]:
+         worker_args: list[str] = (), endpoints_file: str | None = None,
+         vllm_executable: str | None = None) -> list[ProcessSpec]:
     """Workers first, the router last (it is started once the workers are up). With `endpoints_file` the router
     follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line."""
-    procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args)
+    procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
     router = [*CLI, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
               "--probe-interval", str(ROUTER_PROBE_INTERVAL_S)]
@@ -161,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         name, spec = load_spec(args.file)
+        vllm = find_vllm(args.vllm) if spec.engine == "vllm" else None
         model_dir = resolve_model_dir(spec)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -170,10 +191,11 @@ def run(args: argparse.Namespace) -> int:
     router_port = args.port if args.port is not None else spec.router.service.port
     port_for, kv_dir = (lambda: free_port(args.host)), str(log_dir / "kv")
     endpoints_file = log_dir / "endpoints.json"  # the router follows it; the WorkerSet rewrites it as it scales
-    specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file))
+    specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file),
+                 vllm)
     router = LocalProcess(specs[-1], log_dir)
     workers = WorkerSet(
-        lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg),
+        lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg, vllm),
         log_dir, endpoints_file, router.spec.url, say, leave_timeout_s=3 * ROUTER_PROBE_INTERVAL_S + 2,
         grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds))
     autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.enabled else None
@@ -195,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     scaling = (f", autoscaling every {spec.autoscaling.interval_seconds}s"
                f"{' (dry run)' if spec.autoscaling.dry_run else ''}" if autoscaler else "")
     say(f"disagg up: {name} - {counts['prefill']} prefill + {counts['decode']} decode workers + router, "
-        f"{spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}")
+        f"engine {spec.engine}{f' ({vllm})' if vllm else ''}, {spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}")
     code = 0
     try:
         first = [LocalProcess(s, log_dir) for s in specs[:-1]]

@@ -30,8 +30,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_ready(url: str, timeout: float = 1.0) -> bool:
+    """GET /ready; a server without one (vLLM: 404) is ready when its /health answers 200."""
     try:
-        return httpx.get(f"{url}/ready", timeout=timeout).status_code == 200
+        code = httpx.get(f"{url}/ready", timeout=timeout).status_code
+        if code == 404:
+            code = httpx.get(f"{url}/health", timeout=timeout).status_code
+        return code == 200
     except httpx.HTTPError:
         return False
 

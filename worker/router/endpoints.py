@@ -5,18 +5,54 @@ import itertools
 from dataclasses import dataclass, field
 
 
+# a busy worker may answer a probe late: only this many timeouts in a row take it out (an answer other than 200,
+# or a refused connection, takes it out at once)
+PROBE_TIMEOUTS_TO_UNREADY = 3
+# what a worker's /metrics says about its load: the same names on both engines (ours exports vLLM's)
+RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+
+
 @dataclass
 class Endpoint:
     url: str  # base URL, e.g. http://10.0.0.5:8000
-    ready: bool = False  # last /ready probe answered 200
+    ready: bool = False  # last readiness probe answered 200
     outstanding: int = 0  # requests this router has in flight there
     revision: str | None = None  # serving revision (pod label); prefill and decode are paired by it
+    ready_path: str | None = None  # /ready, or /health for a worker without /ready (vLLM); None: not known yet
+    reported_load: float = 0.0  # running + waiting requests by its last /metrics (every router's requests)
+    kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
+    probe_timeouts: int = 0  # readiness probes in a row that timed out
+
+    def load(self) -> float:
+        """This router's in-flight requests are counted at once, the worker's own count (which also holds other
+        routers' requests) as of its last scrape: the larger of the two."""
+        return max(float(self.outstanding), self.reported_load)
+
+
+def load_from_metrics(text: str) -> tuple[float, float] | None:
+    """(running + waiting requests, KV cache usage) from a Prometheus text page, summed over label sets;
+    None when the page has none of them. A line scan: the router reads this every probe interval."""
+    sums = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        if name not in sums:
+            continue
+        try:
+            sums[name] += float(rest.rsplit("}", 1)[-1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        seen = True
+    return (sums[RUNNING] + sums[WAITING], sums[KV_USAGE]) if seen else None
 
 
 @dataclass
 class EndpointPool:
-    """One role's endpoints. `pick` prefers ready endpoints with the fewest outstanding requests
-    (policy least-loaded) or rotates (round-robin); ties rotate so load spreads evenly."""
+    """One role's endpoints. `pick` prefers ready endpoints with the least load - requests in flight from here
+    or reported by the worker's metrics, then KV cache usage - (policy least-loaded) or rotates (round-robin);
+    ties rotate so load spreads evenly."""
 
     role: str  # prefill | decode
     policy: str = "least-loaded"  # least-loaded | round-robin
@@ -49,8 +85,8 @@ class EndpointPool:
         turn = next(self._turn)
         if self.policy == "round-robin":
             return candidates[turn % len(candidates)]
-        fewest = min(e.outstanding for e in candidates)
-        best = [e for e in candidates if e.outstanding == fewest]
+        fewest = min((e.load(), e.kv_usage) for e in candidates)
+        best = [e for e in candidates if (e.load(), e.kv_usage) == fewest]
         return best[turn % len(best)]
 
     def mark_failed(self, endpoint: Endpoint) -> None:

@@ -152,3 +152,151 @@ def test_disagg_up_runs_the_same_command_with_local_placement(tmp_path):
     local_args = local.argv[local.argv.index("worker"):]
     assert flags(local_args) == flags(pod["args"])
     parse_like_the_pod(["disagg", *local_args], {})
+
+
+# ---------------------------------------------------------------- engine vllm
+# vLLM's parser cannot be imported here (the vLLM tier, tests/vllm, starts these commands for real); these tests
+# pin the structure the pods rely on.
+VLLM_BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-vllm.yaml").read_text())
+
+
+def vllm_document(**spec_changes: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(VLLM_BASE)
+    doc["spec"].update(spec_changes)
+    return doc
+
+
+def worker_container(doc: dict[str, Any], role: str) -> dict[str, Any]:
+    return next(c for n, c in pod_containers(doc) if n == f"llama-{role}" and c["name"] == role)
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def test_the_vllm_example_is_accepted():
+    assert validate.validate_document(vllm_document()) == []
+
+
+@pytest.mark.parametrize("role, kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
+    import json
+
+    doc = vllm_document()
+    pod = worker_container(doc, role)
+    argv = [*pod["command"], *pod["args"]]
+    spec = s.parse_spec(doc["spec"])
+    assert argv[:3] == ["vllm", "serve", m.model_dir(spec)]  # the positional model, as the fetch-model dest
+    assert pod["image"] == doc["spec"]["engineImage"]
+    assert flag_value(argv, "--port") == str(m.HTTP_PORT)
+    assert flag_value(argv, "--served-model-name") == doc["spec"]["model"]["servedName"]
+    tp = doc["spec"][role]["tensorParallelSize"]
+    assert flag_value(argv, "--tensor-parallel-size") == str(tp)
+    kv = doc["spec"]["kvTransfer"]
+    assert json.loads(flag_value(argv, "--kv-transfer-config")) == {
+        "kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cuda",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kv_lease_duration": kv["leaseSeconds"]}}
+    # SIGTERM drains running requests (vLLM's default aborts them) within the grace period
+    assert 1 <= int(flag_value(argv, "--shutdown-timeout")) < doc["spec"][role].get("terminationGracePeriodSeconds", 120)
+    # engineArgs for both roles, then the role's extraArgs
+    tail = [*doc["spec"]["engineArgs"], *doc["spec"][role].get("extraArgs", [])]
+    assert argv[len(argv) - len(tail):] == tail
+    env = {e["name"]: e for e in pod["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+    # the kubelet expands $(POD_IP) only from variables declared before it
+    assert list(env).index("POD_IP") < list(env).index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(m.SIDE_CHANNEL_PORT)
+    assert {p["containerPort"] for p in pod["ports"]} == {m.HTTP_PORT, m.SIDE_CHANNEL_PORT}
+    # vLLM has no /ready; every probe is on /health
+    assert {pod[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
+    gpus = pod["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == pod["resources"]["requests"]["nvidia.com/gpu"] == str(max(tp, 1))
+
+
+def test_vllm_without_gpus_keeps_kv_in_host_memory():
+    import json
+
+    doc = vllm_document()
+    for role in ("prefill", "decode"):
+        doc["spec"][role]["tensorParallelSize"] = 1
+        doc["spec"][role]["resources"] = {"requests": {"cpu": 2}}
+    assert validate.validate_document(doc) == []
+    for role in ("prefill", "decode"):
+        c = worker_container(doc, role)
+        config = json.loads(flag_value(c["args"], "--kv-transfer-config"))
+        assert config["kv_buffer_device"] == "cpu"
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+
+
+def test_vllm_downloads_with_the_disagg_image_into_the_directory_vllm_serves():
+    doc = vllm_document()
+    fetch = next(c for n, c in pod_containers(doc) if n == "llama-decode" and c["name"] == "fetch-model")
+    worker = worker_container(doc, "decode")
+    assert fetch["image"] == doc["spec"]["image"]
+    assert parse_like_the_pod([*fetch["command"], *fetch["args"]], {}).dest == worker["args"][1]
+
+
+@pytest.mark.parametrize("change, path", [
+    ({"kvTransfer": {"connector": "SharedStorageConnector", "sharedStorage": {"claimName": "kv"}}},
+     "spec.kvTransfer.connector"),
+    ({"kvTransfer": {"connector": "tests.kv:MyConnector"}}, "spec.kvTransfer.connector"),
+    ({"engineArgs": ["--port", "9000"]}, "spec.engineArgs"),
+    ({"engineArgs": ["--kv-transfer-config={}"]}, "spec.engineArgs"),
+    ({"decode": {"extraArgs": ["--tensor-parallel-size", "4"]}}, "spec.decode.extraArgs"),
+    ({"prefill": {"tensorParallelSize": 4, "resources": {"gpus": 2}}}, "spec.prefill.resources.gpus"),
+])
+def test_vllm_variants_that_cannot_run_are_rejected_by_name(change, path):
+    doc = vllm_document(**change)
+    problems = validate.validate_document(doc)
+    assert [p.path for p in problems] == [path], problems
+
+
+def test_engines_cannot_mix_between_roles():
+    """One spec.engine for both pools: a per-role engine is not even a field."""
+    doc = vllm_document()
+    doc["spec"]["decode"]["engine"] = "disagg"
+    assert any(p.path.startswith("spec.decode") for p in validate.validate_document(doc))
+
+
+def test_the_disagg_engine_still_rejects_tensor_parallelism_and_takes_engine_args():
+    doc = document("nixl", "path", "none", 2, False)
+    assert [p.path for p in validate.validate_document(doc)] == ["spec.prefill.tensorParallelSize"]
+    doc = document("nixl", "path", "none", 1, False)
+    doc["spec"]["engineArgs"] = ["--max-num-seqs", "8"]
+    assert validate.validate_document(doc) == []
+    pod = worker_container(doc, "prefill")
+    assert parse_like_the_pod([*pod["command"], *pod["args"]], {"POD_IP": "10.1.2.3"}).max_num_seqs == 8
+
+
+def test_disagg_up_runs_the_vllm_command_with_local_placement(tmp_path):
+    from disagg.worker.local.launcher import worker_spec
+
+    doc = vllm_document()
+    spec = s.parse_spec(doc["spec"])
+    ports = iter(range(20000, 20100))
+    local = worker_spec(spec, "decode", 0, "/opt/model", "127.0.0.1", lambda: next(ports), str(tmp_path),
+                        vllm_executable="/opt/vllm/bin/vllm")
+    assert local.argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/opt/model"]
+    assert local.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert local.url == f"http://127.0.0.1:{flag_value(local.argv, '--port')}"
+    assert local.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != flag_value(local.argv, "--port")
+
+
+def test_disagg_up_with_engine_vllm_says_clearly_when_vllm_is_missing(tmp_path, monkeypatch, capsys):
+    from disagg.worker.local import launcher
+
+    doc = vllm_document()
+    doc["spec"]["model"]["source"] = {"path": str(tmp_path)}
+    doc["spec"].pop("engineImage")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    monkeypatch.delenv(launcher.VLLM_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no vllm there
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    assert launcher.run(parser.parse_args(["-f", str(spec_file)])) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "--vllm" in err and launcher.VLLM_ENV in err, err
+    assert launcher.run(parser.parse_args(["-f", str(spec_file), "--vllm", str(tmp_path / "nope")])) == 2
+    assert "not an executable" in capsys.readouterr().err

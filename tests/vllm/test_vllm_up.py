@@ -1,0 +1,192 @@
+"""`disagg up` with engine vllm: the router + 1 prefill + 1 decode `vllm serve` processes built by the operator's
+command builder. Completions and chat, plain and streaming, through the router equal one colocated vLLM worker's
+greedy output; the KV moved over NIXL (vLLM's nixl metrics on decode); SIGTERM leaves no process behind.
+
+vLLM starts in about a minute here and its NIXL progress thread takes a core per idle worker, so the colocated
+reference runs first and alone, and the P/D set only as long as its tests need it."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+import waiting
+from vllm_env import ENGINE_ENV
+
+from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "disagg.worker.cli"]
+MODEL = "tiny-vllm"
+PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
+KINDS = ("completion", "chat")
+STARTUP_S = 400  # two or three vLLM processes starting on two cores
+wait_for = functools.partial(waiting.wait_for, interval=0.5)
+ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
+
+
+def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> dict:
+    env = [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]
+    return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": "vllm-up"},
+            "spec": {"engine": "vllm", "engineArgs": ENGINE_ARGS,
+                     "model": {"servedName": MODEL, "source": {"path": model_dir}, "dtype": "float32",
+                               "maxModelLen": 512},
+                     "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 60},
+                     "prefill": {"replicas": 1, "env": env, "terminationGracePeriodSeconds": grace_s},
+                     "decode": {"replicas": decode_replicas, "env": env, "terminationGracePeriodSeconds": grace_s},
+                     "router": {"policy": "least-loaded"}}}
+
+
+def generate(url: str, kind: str, stream: bool, max_tokens: int = 12) -> str:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})}
+    if not stream:
+        r = httpx.post(url + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if kind == "chat" else choice["text"]
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    text = ""
+    for chunk in map(json.loads, lines[:-1]):
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            text += (choice["delta"].get("content") or "") if kind == "chat" else choice["text"]
+    return text
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of a metric's samples (all label sets) on url/metrics."""
+    total, found = 0.0, False
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + ("" if name.endswith("}") else "{")) or line.startswith(name + " "):
+            total, found = total + float(line.rsplit(" ", 1)[1]), True
+    assert found, f"{name} not in {url}/metrics"
+    return total
+
+
+@pytest.fixture(scope="module")
+def reference_texts(vllm_executable, vllm_model_dir, tmp_path_factory) -> dict[str, str]:
+    """One colocated `vllm serve` (no KV connector): the greedy texts P/D must reproduce."""
+    port = free_port()
+    argv = [vllm_executable, "serve", vllm_model_dir, "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *ENGINE_ARGS]
+    proc = LocalProcess(ProcessSpec("reference", argv, f"http://127.0.0.1:{port}", dict(ENGINE_ENV)),
+                        tmp_path_factory.mktemp("vllm-ref"))
+    proc.start()
+    try:
+        wait_for(lambda: is_ready(proc.spec.url) or proc.exited() is not None, STARTUP_S, "the reference vLLM")
+        assert proc.exited() is None, proc.log_tail(40)
+        return {kind: generate(proc.spec.url, kind, False) for kind in KINDS}
+    finally:
+        proc.terminate()
+        proc.popen.wait(60)
+
+
+@pytest.fixture(scope="module")
+def up(vllm_executable, vllm_model_dir, reference_texts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-up")
+    spec_file = tmp / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(vllm_spec(vllm_model_dir)))
+    port, status_port = free_port(), free_port()
+    out = (tmp / "up.out").open("w")
+    launcher = subprocess.Popen([*CLI, "up", "-f", str(spec_file), "--port", str(port), "--status-port",
+                                 str(status_port), "--log-dir", str(tmp / "logs"), "--vllm", vllm_executable,
+                                 "--startup-timeout", str(STARTUP_S)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
+    try:
+        wait_for(lambda: "serving" in text() or launcher.poll() is not None, STARTUP_S + 30, "disagg up to serve")
+        assert launcher.poll() is None, text() + "".join(
+            f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-30:]) for p in (tmp / "logs").glob("*.log"))
+        urls = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text()))
+        yield {"launcher": launcher, "router": f"http://127.0.0.1:{port}", "status": f"http://127.0.0.1:{status_port}",
+               "urls": urls, "output": text, "logs": tmp / "logs"}
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(180)
+        out.close()
+
+
+def test_disagg_up_starts_vllm_serve_from_the_builder(up):
+    out = up["output"]()
+    assert "engine vllm" in out and "prefill-0" in out and "decode-0" in out, out
+    assert httpx.get(f"{up['status']}/ready").status_code == 200
+    assert httpx.get(f"{up['router']}/v1/models").json()["data"][0]["id"] == MODEL
+    prefill_log = (up["logs"] / "prefill-0.log").read_text()
+    assert "kv_producer" in prefill_log or "NixlConnector" in prefill_log
+    # the router found no /ready on vLLM and probes /health: both workers count as ready
+    assert httpx.get(f"{up['router']}/ready").json() == {"ready": True, "decode_ready": 1, "prefill_ready": 1}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_pd_through_the_router_equals_one_colocated_vllm(up, reference_texts, kind, stream):
+    assert generate(up["router"], kind, stream) == reference_texts[kind]
+
+
+def test_kv_moved_over_nixl(up):
+    decode, prefill = up["urls"]["decode-0"], up["urls"]["prefill-0"]
+    generate(up["router"], "completion", False)
+    assert metric_sum(decode, "vllm:nixl_xfer_time_seconds_count") > 0
+    assert metric_sum(decode, "vllm:nixl_bytes_transferred_sum") > 0
+    assert metric_sum(decode, "vllm:nixl_num_failed_transfers_total") == 0
+    # decode took the prompt's KV from prefill rather than computing it
+    assert metric_sum(decode, 'vllm:prompt_tokens_by_source_total{engine="0",model_name="' + MODEL
+                      + '",source="external_kv_transfer"}') > 0
+    assert metric_sum(prefill, "vllm:prompt_tokens_total") > 0
+
+
+def test_the_autoscaler_decides_from_live_vllm_metrics(up):
+    """The operator's scrape and policy on vLLM's own /metrics: the signals vLLM has (waiting requests, KV usage,
+    TTFT, ITL, NIXL transfer time and failures) are measured; at this light load nothing scales. vLLM has no
+    disagg:kv_pending_sends/loads: the policy reads them as 0 (no KV back-pressure signal) - see the report."""
+    from disagg.operator.autoscaling.inputs import policy_from_spec
+    from disagg.operator.autoscaling.policy import ScalingHistory, decide
+    from disagg.operator.autoscaling.sources import scrape_pods
+    from disagg.operator.spec import AutoscalingSpec
+
+    policy = policy_from_spec(AutoscalingSpec.model_validate(
+        {"enabled": True, "targets": {"transfer": {"kvTransferTimeMilliseconds": 60000}}}))
+    targets = [(f"{up['urls'][name]}/metrics", name, name.split("-")[0]) for name in ("prefill-0", "decode-0")]
+
+    def decide_now(history: ScalingHistory):
+        samples = scrape_pods(targets, timeout=30)
+        assert [s.error for s in samples] == [None, None]
+        by_role = {role: [s for s in samples if s.role == role] for role in ("prefill", "decode")}
+        return decide(by_role, {"prefill": 1, "decode": 1}, policy, history, time.time())
+
+    first = decide_now(ScalingHistory())
+    generate(up["router"], "completion", True)  # traffic inside the window: latency histograms move
+    second = decide_now(first.history)
+    m = second.metrics
+    for name in ("prefill_waiting_requests_per_pod", "decode_kv_cache_usage", "prefill_ttft_seconds",
+                 "decode_itl_seconds", "xfer_time_seconds", "failed_transfers"):
+        assert m[name] is not None, (name, m)
+    assert 0 <= m["decode_kv_cache_usage"] <= 1 and m["failed_transfers"] == 0
+    assert {r: (d.current, d.desired) for r, d in second.roles.items()} == {"prefill": (1, 1), "decode": (1, 1)}
+
+
+def test_sigterm_stops_every_vllm_process(up):
+    launcher = up["launcher"]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(180) == 0
+    for name in ("prefill-0", "decode-0", "router"):
+        url = up["urls"].get(name) or up["router"]
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
+    assert "stopped" in up["output"]()
