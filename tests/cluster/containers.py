@@ -8,10 +8,14 @@ Needs root (mount namespaces); the tier skips without it.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +27,35 @@ class Mount:
     read_only: bool = False
 
 
+def image_paths() -> list[str]:
+    """What the pods' "image" is made of on this host: the checkout (editable install), this interpreter's venv
+    and vLLM's (DISAGG_VLLM). A volume mounted over one of them (a CI checkout under /tmp, where every pod
+    mounts its own emptyDir) must not hide it."""
+    paths = {str(Path(__file__).resolve().parents[2]), sys.prefix}
+    vllm = os.environ.get("DISAGG_VLLM")
+    if vllm:
+        paths.add(str(Path(vllm).resolve().parents[1]))
+    return sorted(paths)
+
+
+_HOLD = Path(tempfile.mkdtemp(prefix="cluster-image-hold-", dir="/var/tmp"))  # outside every mountPath
+atexit.register(shutil.rmtree, _HOLD, True)
+
+
 def mount_script(mounts: list[Mount], read_only_root: bool, working_dir: str) -> str:
     """sh script run inside the new mount namespace before exec'ing the container's argv ("$@")."""
     lines = ["set -e"]
+    shadowed = [(p, _HOLD / str(i)) for i, p in enumerate(image_paths())
+                if any(p == m.target or p.startswith(m.target.rstrip("/") + "/") for m in mounts)]
+    for path, hold in shadowed:  # keep a handle on the image paths a volume will cover ...
+        hold.mkdir(exist_ok=True)
+        lines.append(f"mount --bind {shlex.quote(path)} {shlex.quote(str(hold))}")
     for m in mounts:
         lines.append(f"mount --bind {shlex.quote(str(m.source))} {shlex.quote(m.target)}")
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {shlex.quote(m.target)}")
+    for path, hold in shadowed:  # ... and put them back on top of it, as they are in the image
+        lines.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(hold))} {shlex.quote(path)}")
     if read_only_root:  # after the volume mounts: they are mounts of their own and stay writable
         lines.append("mount -o remount,bind,ro /")
     lines.append(f"cd {shlex.quote(working_dir)}")

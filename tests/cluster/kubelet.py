@@ -16,6 +16,7 @@ import base64
 import logging
 import random
 import shutil
+import os
 import socket
 import sys
 import threading
@@ -61,11 +62,16 @@ class IpPool:
 
 
 def write_image_bin(directory: Path) -> Path:
-    """The image's `disagg` entrypoint: this interpreter running the package's CLI."""
+    """The image's `disagg` entrypoint: this interpreter running the package's CLI; and `vllm` (the engine image's
+    command) where the vLLM tier's DISAGG_VLLM names one."""
     directory.mkdir(parents=True, exist_ok=True)
     wrapper = directory / "disagg"
     wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m disagg.worker.cli "$@"\n')
     wrapper.chmod(0o755)
+    vllm = os.environ.get("DISAGG_VLLM")
+    if vllm and os.access(vllm, os.X_OK):
+        (directory / "vllm").write_text(f'#!/bin/sh\nexec {vllm} "$@"\n')
+        (directory / "vllm").chmod(0o755)
     return directory
 
 

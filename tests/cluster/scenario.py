@@ -96,10 +96,11 @@ class Outcome:
 @dataclass
 class Load:
     """`clients` threads streaming one completion after another through the router until stop(); every outcome
-    recorded. Bounded: each request times out after 60 s."""
+    recorded. Bounded: each request times out after `timeout_s`."""
     router: str
     clients: int = 2
     max_tokens: int = 16
+    timeout_s: float = 60.0
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -111,7 +112,7 @@ class Load:
     def _client(self) -> None:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=self.timeout_s) as http:
             while not self._stop.is_set():
                 finish = None
                 try:
