@@ -4,6 +4,9 @@ Children of a resource named N in namespace NS:
   Deployment N-prefill, N-decode, N-router; Service N (router, the endpoint);
   headless Services N-prefill, N-decode (pod discovery + the NIXL side channel);
   ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers).
+
+Somewhat over 300 lines: every child of one resource is built here so their shared labels, volumes and security
+context stay consistent; the workers' command lines are built in worker_command.py.
 """
 from __future__ import annotations
 

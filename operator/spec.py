@@ -3,6 +3,9 @@
 
 Kubernetes API conventions: camelCase names, integers (never floats), units in names (`leaseSeconds`),
 conditions + observedGeneration in status, no `phase`.
+
+Over 300 lines on purpose: the whole resource (spec, status and the cross-field checks the schema cannot
+express) reads top to bottom in one file, the way `kubectl explain` shows it; each model is a few lines.
 """
 from __future__ import annotations
 
