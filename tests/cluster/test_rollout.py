@@ -53,6 +53,11 @@ def test_rolling_update_under_load_fails_no_request_and_pairs_prefill_and_decode
                 p["metadata"]["labels"][m.LABEL_REVISION] == cr["status"]["revision"] for p in pods) \
                 and cr["status"]["decode"]["readyReplicas"] == cr["status"]["prefill"]["readyReplicas"] == 1
         wait_for(rolled, 150, f"the rollout to finish\n{cluster.logs()}", interval=0.2)
+
+        def new_decode_pulled() -> bool:  # the router discovers pods by polling: give it the time it needs
+            return all("added peer" in _log(cluster, p["metadata"]["name"], "decode")
+                       for p in live_pods(cluster, NAME, "decode"))
+        wait_for(new_decode_pulled, 60, "the new revision's decode pod to pull KV", interval=0.2)
         time.sleep(1)  # steady load on the new revision only
     finally:
         outcomes = load.stop()

@@ -182,15 +182,19 @@ def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, 
 
 async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
                       headers: dict[str, str], stream: bool, revisions: set[str | None] | None = None) -> Response:
-    d_body = dict(body)
-    if kv_params:
-        d_body["kv_transfer_params"] = kv_params
-    else:
-        d_body.pop("kv_transfer_params", None)
+    alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    d_body = {**alone, "kv_transfer_params": kv_params} if kv_params else alone
     tried: set[str] = set()
     received = time.monotonic()
     while (ep := state.decode.pick(tried, revisions=revisions)) is not None:
         tried.add(ep.url)
+        if d_body is not alone and revisions is not None and ep.revision not in revisions:
+            # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
+            # not fit this engine, so it computes the prompt itself; prefill's blocks go at the lease
+            logger.info("request %s: decode %s is of revision %s, not the prefill's; decoding alone",
+                        headers["X-Request-Id"], ep.url, ep.revision)
+            state.metrics.fell_back_to_decode_alone()
+            d_body = alone
         ep.outstanding += 1
         start = time.monotonic()
         resp = None

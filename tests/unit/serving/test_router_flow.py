@@ -171,3 +171,20 @@ async def test_rollout_pairs_prefill_and_decode_of_the_same_revision():
     pairs = [(workers.seen[i][0], workers.seen[i + 1][0]) for i in range(0, len(workers.seen), 2)]
     assert {revs[p] == revs[d] for p, d in pairs} == {True}
     assert {p for p, _ in pairs} == {P1, P2}  # both revisions keep serving while both exist
+
+
+@pytest.mark.asyncio
+async def test_kv_never_crosses_revisions_when_the_prefills_decode_revision_is_gone():
+    """Mid-rollout the last old decode goes away after the old prefill computed the prompt: the new decode gets
+    the request without the old revision's KV (it may not fit its engine) and computes the prompt itself."""
+    client, workers, state = router({P1: "ok"}, {D1: "down", D2: "ok"})
+    revs = {P1: "old", D1: "old", D2: "new"}
+    for pool in (state.prefill, state.decode):
+        for ep in pool.endpoints.values():
+            ep.revision = revs[ep.url]
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert [url for url, _, _ in workers.seen] == [P1, D1, D2]
+    assert workers.seen[1][1]["kv_transfer_params"] == KV  # the old decode would have pulled it
+    assert "kv_transfer_params" not in workers.seen[2][1]
+    assert b"disagg:router_decode_alone_total" in state.metrics.render()
