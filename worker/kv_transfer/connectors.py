@@ -55,8 +55,11 @@ CONNECTORS: dict[str, ConnectorDeclaration] = {d.name: d for d in (
     ConnectorDeclaration("NixlConnector", "disagg.worker.kv_transfer.nixl:NixlConnector",
                          (_SIDE_CHANNEL_HOST, _SIDE_CHANNEL_PORT),
                          params_check="disagg.worker.kv_transfer.nixl_params:parse_nixl_params"),
+    # the same P/D hand-off fields as NIXL (do_remote_decode / do_remote_prefill + remote_*): malformed ones are a
+    # 400 here too, although this connector finds the KV by the prompt's hash
     ConnectorDeclaration("SharedStorageConnector", "disagg.worker.kv_transfer.shared_storage:SharedStorageConnector",
-                         (_SHARED_STORAGE_PATH,), needs_shared_storage=True),
+                         (_SHARED_STORAGE_PATH,), needs_shared_storage=True,
+                         params_check="disagg.worker.kv_transfer.nixl_params:parse_nixl_params"),
 )}
 
 
