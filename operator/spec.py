@@ -350,6 +350,10 @@ class RoleScaling(_Model):
     reason: str = Field("", max_length=256, description="One CamelCase word, e.g. DecodeBound, Underutilized.")
     limited_by: str | None = Field(None, max_length=256, description="TooFewReplicas, TooManyReplicas, "
                                    "StepLimited or RatioBound.")
+    signals_used: list[str] = Field(default_factory=list, description="The signals this decision read, e.g. "
+                                    "kvCacheUsage, pendingLoads.")
+    signals_unavailable: list[str] = Field(default_factory=list, description="Signals no pod exported (vLLM "
+                                           "workers lack the disagg: gauges); the decision worked without them.")
 
 
 class ScalingDecision(_Model):

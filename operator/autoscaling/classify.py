@@ -164,16 +164,19 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
             reasons[role] = "Underutilized"
         else:
             reasons[role] = blocked.get(role, "WithinTolerance")
-    per = lambda total, n: total / n if n else None  # noqa: E731
+    def per(rm: RoleMetrics, total: float, signal: str | None = None) -> float | None:
+        """Per pod; None (not measured, so not told) when no pod exports the signal."""
+        return None if not rm.pods or signal in rm.signals_unavailable else total / rm.pods
+
     metrics = {
-        "prefill_waiting_requests_per_pod": per(p.waiting_requests, p.pods),
-        "prefill_waiting_prompt_tokens_per_pod": per(p.waiting_prompt_tokens, p.pods),
+        "prefill_waiting_requests_per_pod": per(p, p.waiting_requests, "waitingRequests"),
+        "prefill_waiting_prompt_tokens_per_pod": per(p, p.waiting_prompt_tokens, "waitingPromptTokens"),
         "prefill_ttft_seconds": p.ttft,
-        "prefill_pending_sends_per_pod": per(p.pending_sends, p.pods),
+        "prefill_pending_sends_per_pod": per(p, p.pending_sends, "pendingSends"),
         "decode_kv_cache_usage": d.kv_cache_usage,
         "decode_itl_seconds": d.itl,
-        "decode_running_requests_per_pod": per(d.running_requests, d.pods),
-        "decode_pending_loads_per_pod": per(d.pending_loads, d.pods),
+        "decode_running_requests_per_pod": per(d, d.running_requests),
+        "decode_pending_loads_per_pod": per(d, d.pending_loads, "pendingLoads"),
         "xfer_time_seconds": xfer_time,
         "failed_transfers": failed,
         "expired_leases": expired,

@@ -121,8 +121,12 @@ def scaling_status(decision: Decision, changes: list[ScalingChange], old: dict[s
     """status.autoscaling for this decision; lastDecision is the latest change told (kept until the next)."""
     status: dict[str, Any] = {"dryRun": dry_run}
     for role, d in decision.roles.items():
+        signals = decision.signals.get(role, {})
         status[role] = {"current": d.current, "desired": d.desired, "reason": d.reason,
-                        **({"limitedBy": d.limited_by} if d.limited_by else {})}
+                        **({"limitedBy": d.limited_by} if d.limited_by else {}),
+                        # which metrics the decision could read (vLLM workers lack the disagg: gauges)
+                        **({"signalsUsed": signals["used"]} if signals.get("used") else {}),
+                        **({"signalsUnavailable": signals["unavailable"]} if signals.get("unavailable") else {})}
     if changes:
         c = changes[-1]
         status["lastDecision"] = {"time": iso(c.time), "role": c.role, "from": c.from_replicas,

@@ -12,6 +12,18 @@ from disagg.operator.autoscaling.samples import (PROMPT_TOKENS, PodSample, histo
 
 ROLES = ("prefill", "decode")
 
+# What each role's decision can read, by signal name -> the metrics that carry it (the first one a pod exports
+# counts). vLLM workers export the vllm: names but none of the disagg: gauges, and count pending loads by stage
+# instead; a signal no fresh pod exports is left out of the decision (never read as zero) and named in status.
+SIGNALS: dict[str, dict[str, tuple[str, ...]]] = {
+    "prefill": {"waitingRequests": (m.NUM_REQUESTS_WAITING,), "waitingPromptTokens": (m.WAITING_PROMPT_TOKENS,),
+                "timeToFirstToken": (m.TTFT,), "pendingSends": (m.PENDING_SENDS,),
+                "promptTokensRate": (PROMPT_TOKENS,), "expiredLeases": (m.EXPIRED_LEASES,)},
+    "decode": {"kvCacheUsage": (m.KV_CACHE_USAGE,), "interTokenLatency": (m.ITL,),
+               "pendingLoads": (m.PENDING_LOADS, m.VLLM_PENDING_LOADS), "transferTime": (m.XFER_TIME,),
+               "failedTransfers": (m.FAILED_TRANSFERS,)},
+}
+
 
 # ---------------------------------------------------------------- policy
 @dataclass(frozen=True)
@@ -106,6 +118,13 @@ class RoleMetrics:
     expired_leases: float = 0.0  # in the window
     prompt_tokens_rate: float | None = None  # prompt tokens/s served in the window (vllm:prompt_tokens), all pods
     rate_pods: int = 0  # pods that rate was measured on (those with a previous sample)
+    signals_used: list[str] = field(default_factory=list)  # SIGNALS[role] some fresh pod exported
+    signals_unavailable: list[str] = field(default_factory=list)  # SIGNALS[role] no fresh pod exported
+
+
+def _exported(fresh: list[PodSample], names: tuple[str, ...]) -> str | None:
+    """The first of `names` some pod exports (as a value or a histogram)."""
+    return next((n for n in names for s in fresh if n in s.values or n in s.histograms), None)
 
 
 def _required(role: str, policy: AutoscalePolicy) -> list[str]:
@@ -139,8 +158,11 @@ def aggregate_role(role: str, samples: list[PodSample], previous: dict[str, PodS
     rm.running_requests = sum(v(s, m.NUM_REQUESTS_RUNNING) for s in fresh)
     usage = [s.values[m.KV_CACHE_USAGE] for s in fresh if m.KV_CACHE_USAGE in s.values]
     rm.kv_cache_usage = sum(usage) / len(usage) if usage else None
+    for signal, names in SIGNALS[role].items():
+        (rm.signals_used if _exported(fresh, names) else rm.signals_unavailable).append(signal)
     rm.pending_sends = sum(v(s, m.PENDING_SENDS) for s in fresh)
-    rm.pending_loads = sum(v(s, m.PENDING_LOADS) for s in fresh)
+    loads = _exported(fresh, SIGNALS["decode"]["pendingLoads"]) or m.PENDING_LOADS
+    rm.pending_loads = sum(v(s, loads) for s in fresh)
     served = 0.0
     for s in fresh:
         prev = previous.get(s.pod)

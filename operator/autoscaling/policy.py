@@ -74,6 +74,8 @@ class Decision:
     metrics: dict[str, float | None]  # the values compared with targets, by name
     conditions: list[ScalingCondition]
     history: ScalingHistory  # pass to the next decide()
+    # role -> ("used" | "unavailable") -> signal names (inputs.SIGNALS): what this decision could read
+    signals: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     @property
     def desired(self) -> dict[str, int]:
@@ -95,11 +97,14 @@ def decide(samples_by_role: dict[str, list[PodSample]], current_replicas: dict[s
     history = replace(history, last_samples=last)
     bad = _metrics_problem(rms, current_replicas)
     if bad is not None:
-        return hold_decision(bad[0], bad[1], rms, current_replicas, policy, history, now)
-    projected, levels = project(rms, current_replicas, policy, history.levels, now)
-    history = replace(history, levels=levels)
-    return scale_decision(classify(rms, current_replicas, policy, projected), rms, current_replicas, policy, history,
-                          now)
+        decision = hold_decision(bad[0], bad[1], rms, current_replicas, policy, history, now)
+    else:
+        projected, levels = project(rms, current_replicas, policy, history.levels, now)
+        history = replace(history, levels=levels)
+        decision = scale_decision(classify(rms, current_replicas, policy, projected), rms, current_replicas, policy,
+                                  history, now)
+    decision.signals = {r: {"used": rms[r].signals_used, "unavailable": rms[r].signals_unavailable} for r in ROLES}
+    return decision
 
 
 def _metrics_problem(rms: dict[str, RoleMetrics], current: dict[str, int]) -> tuple[str, str] | None:

@@ -80,7 +80,10 @@ def decision_json(d: Decision, dry_run: bool) -> dict[str, Any]:
     """The whole decision, JSON-ready (disagg up's /status)."""
     return {"time": iso(d.time), "reason": d.reason, "bottleneck": d.bottleneck, "dryRun": dry_run,
             "roles": {r: {"current": x.current, "desired": x.desired, "reason": x.reason,
-                          "recommendation": x.recommendation, "limitedBy": x.limited_by} for r, x in d.roles.items()},
+                          "recommendation": x.recommendation, "limitedBy": x.limited_by,
+                          "signalsUsed": d.signals.get(r, {}).get("used", []),
+                          "signalsUnavailable": d.signals.get(r, {}).get("unavailable", [])}
+                      for r, x in d.roles.items()},
             "metrics": d.metrics,
             "conditions": [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
                            for c in d.conditions]}

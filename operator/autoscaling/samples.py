@@ -21,6 +21,11 @@ PENDING_SENDS = "disagg:kv_pending_sends"  # gauge, prefill: requests whose KV w
 PENDING_LOADS = "disagg:kv_pending_loads"  # gauge, decode: requests waiting for remote KV
 WAITING_PROMPT_TOKENS = "disagg:num_waiting_prompt_tokens"  # gauge, prompt tokens of waiting requests
 PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: prompt tokens a worker has prefilled
+# vLLM has no disagg:kv_pending_loads; its decode workers count requests by async KV load stage instead. Those
+# not yet loaded (waiting to start + in progress) are the same signal, folded under this name when read.
+VLLM_KV_FETCH_BY_STAGE = "vllm:num_requests_kv_fetch_by_stage"
+VLLM_KV_FETCH_PENDING_STAGES = ("waiting_to_start", "in_progress")
+VLLM_PENDING_LOADS = VLLM_KV_FETCH_BY_STAGE + '{stage=~"waiting_to_start|in_progress"}'
 
 
 @dataclass(frozen=True)
@@ -95,4 +100,5 @@ def pod_load(sample: PodSample) -> float:
     """Work a pod would have to finish (or hand over) before it can go: requests running or queued, KV held for
     a reader or awaited from a sender."""
     v = sample.values
-    return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS))
+    return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS,
+                                             VLLM_PENDING_LOADS))

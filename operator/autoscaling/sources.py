@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.operator.autoscaling.samples import NUM_REQUESTS_RUNNING, Histogram, PodSample
+from disagg.operator.autoscaling.samples import (NUM_REQUESTS_RUNNING, VLLM_KV_FETCH_BY_STAGE,
+                                                 VLLM_KV_FETCH_PENDING_STAGES, VLLM_PENDING_LOADS, Histogram,
+                                                 PodSample)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ def _fold(series: Iterable[tuple[str, dict[str, str], float]], histogram_names: 
                 sums[base] += value
             else:
                 counts[base] += value
+        elif name == VLLM_KV_FETCH_BY_STAGE:
+            if labels.get("stage") in VLLM_KV_FETCH_PENDING_STAGES:
+                values[VLLM_PENDING_LOADS] += value
         elif not name.endswith("_created"):
             values[name.removesuffix("_total")] += value
     hists = {n: Histogram(tuple(sorted(b.items())), sums[n], counts[n]) for n, b in buckets.items()}

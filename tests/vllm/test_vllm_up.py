@@ -153,8 +153,8 @@ def test_kv_moved_over_nixl(up):
 
 def test_the_autoscaler_decides_from_live_vllm_metrics(up):
     """The operator's scrape and policy on vLLM's own /metrics: the signals vLLM has (waiting requests, KV usage,
-    TTFT, ITL, NIXL transfer time and failures) are measured; at this light load nothing scales. vLLM has no
-    disagg:kv_pending_sends/loads: the policy reads them as 0 (no KV back-pressure signal) - see the report."""
+    TTFT, ITL, NIXL transfer time and failures, requests waiting for remote KV by stage) are measured; at this
+    light load nothing scales. vLLM has no disagg:kv_pending_sends: the decision names it unavailable, not 0."""
     from disagg.operator.autoscaling.inputs import policy_from_spec
     from disagg.operator.autoscaling.policy import ScalingHistory, decide
     from disagg.operator.autoscaling.sources import scrape_pods
@@ -179,6 +179,8 @@ def test_the_autoscaler_decides_from_live_vllm_metrics(up):
         assert m[name] is not None, (name, m)
     assert 0 <= m["decode_kv_cache_usage"] <= 1 and m["failed_transfers"] == 0
     assert {r: (d.current, d.desired) for r, d in second.roles.items()} == {"prefill": (1, 1), "decode": (1, 1)}
+    assert "pendingSends" in second.signals["prefill"]["unavailable"] and m["prefill_pending_sends_per_pod"] is None
+    assert "pendingLoads" in second.signals["decode"]["used"]  # vllm:num_requests_kv_fetch_by_stage
 
 
 def test_sigterm_stops_every_vllm_process(up):

@@ -97,7 +97,11 @@ def test_decode_bound_scales_the_deployment_and_reports_in_status(cluster):
                                                       ("patch/status", f"DisaggregatedInference/{NAME}")]
     assert dep_replicas(cluster, "decode") == 3 and result.scaled == [f"{NAME}-decode"]
     st = cluster.resource()["status"]
-    assert st["autoscaling"]["decode"] == {"current": 2, "desired": 3, "reason": "DecodeBound"}
+    decode = st["autoscaling"]["decode"]
+    assert {k: decode[k] for k in ("current", "desired", "reason")} == {"current": 2, "desired": 3,
+                                                                          "reason": "DecodeBound"}
+    # these pods export KV usage only: status says what the decision read and what it had to do without
+    assert decode["signalsUsed"] == ["kvCacheUsage"] and "pendingLoads" in decode["signalsUnavailable"]
     last = st["autoscaling"]["lastDecision"]
     assert (last["role"], last["from"], last["to"], last["bottleneck"], last["time"]) == \
         ("decode", 2, 3, "DecodeBound", "2026-01-01T00:00:00Z")
@@ -115,7 +119,8 @@ def test_decode_bound_scales_the_deployment_and_reports_in_status(cluster):
     later = T0 + timedelta(seconds=1)
     again = sc.autoscale(cluster.resource(), cluster, result.state, later, lambda: later.timestamp())
     assert again is not None and again.changes == [] and again.scaled == []  # 4 wanted, maxReplicas 3
-    assert cluster.resource()["status"]["autoscaling"]["decode"] == \
+    decode = cluster.resource()["status"]["autoscaling"]["decode"]
+    assert {k: decode.get(k) for k in ("current", "desired", "reason", "limitedBy")} == \
         {"current": 3, "desired": 3, "reason": "DecodeBound", "limitedBy": "TooManyReplicas"}
     assert cluster.resource()["status"]["autoscaling"]["lastDecision"] == last  # kept
 
