@@ -3,8 +3,9 @@
 
 - a frozen prefill: requests complete through the other prefill, then through decode alone when both are frozen,
   each within its bound and with the healthy run's tokens; the frozen one is ejected and used again once thawed;
-- a frozen decode: requests move to the other decode before anything streamed; with both frozen the client gets a
-  504 JSON error within the first-byte bound, then a 503 at once while both are out; thawed, both serve again;
+- a frozen decode: requests move to the other decode before anything streamed (a non-streamed one once the frozen
+  worker's probes time out); with both frozen a stream gets a 504 JSON error within the first-byte bound, then
+  a 503 at once while both are out; thawed, both serve again;
 - afterwards nothing is left on any worker (no running requests, no pending KV, KV usage idle)."""
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ FIRST_BYTE_S, IDLE_S, TOTAL_S = 4.0, 4.0, 10.0
 BOUNDS = ["--connect-timeout", "2", "--first-byte-timeout", str(FIRST_BYTE_S), "--idle-timeout", str(IDLE_S),
           "--request-timeout", str(TOTAL_S), "--eject-after-failures", "2", "--ejection-seconds", "2",
           "--max-ejection-seconds", "8"]
+# probe interval 0.5 s, probe timeout 1 s: 3 timed-out probes in a row say a worker stopped answering
+PROBES_S = 3 * (1.0 + 0.5)
 SLACK_S = 6.0  # a healthy request on this loaded 2-core machine, on top of a bound
 BODY = {"model": "tiny-llama", "prompt": "The harbour market opened before dawn and the fishermen", "max_tokens": 8,
         "temperature": 0, "ignore_eos": True}
@@ -114,13 +117,16 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
     router, (d0, d1) = pd["router"], pd["decode"]
     fleet = pd["fleet"]
     before = timeouts(router, "decode")
+    unresponsive = router_counter(router, "disagg:router_hop_timeouts_total", hop="decode", stage="unresponsive")
     with frozen(fleet.procs["decode-0"]):
-        for _ in range(3):
-            r, took = timed(post, router, stream=True)
-            assert text(r) == pd["want"] and took < FIRST_BYTE_S + SLACK_S
+        for _ in range(3):  # not streamed: no first byte before the answer; the frozen one's probes tell
+            r, took = timed(post, router)
+            assert text(r) == pd["want"] and took < PROBES_S + SLACK_S
             if timeouts(router, "decode") > before:
-                print(f"OUTCOME decode frozen -> completed via the other decode in {took:.1f} s")
+                print(f"OUTCOME decode frozen, not streamed -> completed via the other decode in {took:.1f} s")
                 break
+        assert router_counter(router, "disagg:router_hop_timeouts_total", hop="decode",
+                              stage="unresponsive") == unresponsive + 1
         assert timeouts(router, "decode") == before + 1, "the frozen decode was never tried"
         assert endpoint(router, "decode", d0)["ejected"]
         with frozen(fleet.procs["decode-1"]):

@@ -28,6 +28,11 @@ class Endpoint:
     probe_timeouts: int = 0  # readiness probes in a row that timed out
     health: outliers.Health = field(default_factory=outliers.Health)  # hop failures and ejection (outliers.py)
 
+    def unresponsive(self) -> bool:
+        """Its readiness probes time out (a hung process, a partition) - unlike a draining worker, which answers
+        them with 503."""
+        return self.probe_timeouts >= PROBE_TIMEOUTS_TO_UNREADY
+
     def load(self) -> float:
         """This router's in-flight requests are counted at once, the worker's own count (which also holds other
         routers' requests) as of its last scrape: the larger of the two."""

@@ -158,7 +158,8 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], head
         start = time.monotonic()
         try:  # the answer is one token: its first byte comes with the rest
             r = await within(state.client.post(ep.url + path, json=p_body, headers=headers,
-                                               timeout=deadline.httpx_timeout()), deadline, "first_byte")
+                                               timeout=deadline.httpx_timeout()), deadline, "first_byte",
+                       hung=ep.unresponsive)
         except HopTimeout as e:
             _hop_timed_out(state, state.prefill, ep, "prefill", start, e)
             continue
@@ -231,13 +232,15 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
         try:
             request = state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
                                                  timeout=deadline.httpx_timeout())
-            resp = await within(state.client.send(request, stream=True), deadline, stage, since=start)
+            resp = await within(state.client.send(request, stream=True), deadline, stage, since=start,
+                                hung=ep.unresponsive)
             if resp.status_code >= 500:
                 await within(resp.aread(), deadline, "idle")
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
                                             response=resp)
             if resp.status_code >= 400 or not stream:
-                content = await within(resp.aread(), deadline, stage, since=start)  # a broken body is retried
+                # a broken or abandoned body is retried: nothing was sent yet
+                content = await within(resp.aread(), deadline, stage, since=start, hung=ep.unresponsive)
                 await resp.aclose()
                 ep.outstanding -= 1
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
@@ -247,7 +250,7 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
                                 headers=headers)
             chunks = resp.aiter_raw()
             # before the first byte, a failure can still be retried
-            first = await within(chunks.__anext__(), deadline, "first_byte", since=start)
+            first = await within(chunks.__anext__(), deadline, "first_byte", since=start, hung=ep.unresponsive)
         except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
             if resp is not None:
                 await resp.aclose()

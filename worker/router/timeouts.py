@@ -3,20 +3,25 @@ prefill's reply, a decode stream's first chunk), silence between stream chunks (
 request (total), which caps each of them. A hung worker (a stopped process, a partition) accepts TCP
 connections from its kernel backlog and then says nothing, so the connect bound alone never catches it.
 
-A non-streamed decode answer has no first byte until it is complete: only the total bounds it.
+A non-streamed decode answer has no first byte until it is complete, so no first-byte bound fits it. A hung
+worker is told apart from a slow one by its readiness probes: once they time out PROBE_TIMEOUTS_TO_UNREADY times
+in a row, the waits on it that have sent nothing to the client yet are abandoned (stage "unresponsive") and fail
+over like a timed-out hop; a worker that answers its probes, however slowly it generates, is left to finish.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import httpx
 
-Stage = Literal["connect", "first_byte", "idle", "total"]
-STAGES: tuple[Stage, ...] = ("connect", "first_byte", "idle", "total")
+Stage = Literal["connect", "first_byte", "idle", "total", "unresponsive"]
+STAGES: tuple[Stage, ...] = ("connect", "first_byte", "idle", "total", "unresponsive")
+HUNG_POLL_S = 0.1  # how often a wait looks at the worker's probes
 T = TypeVar("T")
 
 
@@ -48,7 +53,8 @@ class HopTimeout(Exception):
 STAGE_WORDS = {"connect": "no connection within {} s (connect bound)",
                "first_byte": "no first byte within {} s (first-byte bound)",
                "idle": "no stream chunk within {} s (idle bound)",
-               "total": "the request's total bound of {} s ran out"}
+               "total": "the request's total bound of {} s ran out",
+               "unresponsive": "the worker stopped answering its readiness probes (after {} s of this wait)"}
 
 
 @dataclass
@@ -78,19 +84,38 @@ class Deadline:
                              pool=max(seconds, 0.001))
 
 
-async def within(awaitable: Awaitable[T], deadline: Deadline, stage: Stage, since: float | None = None) -> T:
+async def within(awaitable: Awaitable[T], deadline: Deadline, stage: Stage, since: float | None = None,
+                 hung: Callable[[], bool] | None = None) -> T:
     """Await under the stage's bound (counted from `since` when given); raises HopTimeout naming the bound that
-    ended the wait (a connection that could not be made in time is a "connect" timeout)."""
+    ended the wait (a connection that could not be made in time is a "connect" timeout). `hung`: the worker's
+    probes say it stopped answering - the wait is abandoned then too."""
     seconds, binding = deadline.bound(stage, since)
     full = getattr(deadline.timeouts, f"{binding}_s")  # the configured bound, for the message
     if seconds <= 0:
         if asyncio.iscoroutine(awaitable):
             awaitable.close()  # never awaited: no "coroutine was never awaited" warning
         raise HopTimeout(binding, full)
+    started = time.monotonic()
     try:
         async with asyncio.timeout(seconds):
-            return await awaitable
+            return await (awaitable if hung is None else _unless_hung(awaitable, hung, started))
     except TimeoutError:
         raise HopTimeout(binding, full) from None
     except httpx.ConnectTimeout:  # httpx bounded it (httpx_timeout): the connection could not be made
         raise HopTimeout("connect", deadline.timeouts.connect_s) from None
+
+
+async def _unless_hung(awaitable: Awaitable[T], hung: Callable[[], bool], started: float) -> T:
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HUNG_POLL_S)
+            if done:
+                return task.result()
+            if hung():
+                raise HopTimeout("unresponsive", round(time.monotonic() - started, 1))
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -148,6 +148,23 @@ async def test_hung_decode_fails_over_to_another_decode_before_anything_streamed
 
 
 @pytest.mark.asyncio
+async def test_a_non_streamed_decode_on_a_worker_whose_probes_stop_answering_fails_over_before_the_total():
+    client, workers, state = router({P1: "ok"}, {D1: "hang", D2: "ok"})
+    state.decode.endpoints[D2].outstanding = 1  # the first pick is D1
+
+    async def probes_time_out() -> None:  # what the probe loop records for a stopped process
+        await asyncio.sleep(0.3)
+        state.decode.endpoints[D1].probe_timeouts = 3
+
+    t0 = time.monotonic()
+    _, r = await asyncio.gather(probes_time_out(), client.post("/v1/completions", json={"prompt": "x"}))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    assert time.monotonic() - t0 < BOUNDS.total_s - 0.5, "abandoned when the probes said so, not at the total"
+    assert workers.seen == [P1, D1, D2]
+    assert sample(state, "disagg:router_hop_timeouts_total", hop="decode", stage="unresponsive") == 1
+
+
+@pytest.mark.asyncio
 async def test_a_stream_gone_silent_ends_with_an_sse_error_event_and_is_counted():
     client, workers, state = router({P1: "ok"}, {D1: "silent"})
     t0 = time.monotonic()
