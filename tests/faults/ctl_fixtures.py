@@ -58,7 +58,7 @@ class Fleet:
     def router(self, prefill: list[str], decode: list[str], bounds: list[str]) -> str:
         port = free_port()
         argv = [*CLI, "router", "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0.5",
-                "--prefill", *prefill, "--decode", *decode, *bounds]
+                "--prefill", *prefill, "--decode", *decode, *bounds]  # a later --probe-interval in bounds wins
         return self._start(ProcessSpec("router", argv, f"http://127.0.0.1:{port}"))
 
     def _start(self, spec: ProcessSpec) -> str:

@@ -20,13 +20,14 @@ from ctl_fixtures import Fleet, frozen, gauges, router_counter, wait_idle
 
 pytestmark = pytest.mark.slow
 
-FIRST_BYTE_S, IDLE_S, TOTAL_S = 4.0, 4.0, 10.0
+FIRST_BYTE_S, IDLE_S, TOTAL_S = 5.0, 5.0, 60.0
 BOUNDS = ["--connect-timeout", "2", "--first-byte-timeout", str(FIRST_BYTE_S), "--idle-timeout", str(IDLE_S),
-          "--request-timeout", str(TOTAL_S), "--eject-after-failures", "2", "--ejection-seconds", "2",
-          "--max-ejection-seconds", "8"]
-# probe interval 0.5 s, probe timeout 1 s: 3 timed-out probes in a row say a worker stopped answering
-PROBES_S = 3 * (1.0 + 0.5)
-SLACK_S = 6.0  # a healthy request on this loaded 2-core machine, on top of a bound
+          "--request-timeout", str(TOTAL_S), "--eject-after-failures", "2", "--ejection-seconds", "3",
+          "--max-ejection-seconds", "12"]
+PROBE_INTERVAL_S = 1.0  # probe timeout 2 s: 3 timed-out probes in a row say a worker stopped answering
+PROBES_S = 3 * (2.0 + PROBE_INTERVAL_S)
+# a healthy request on top of a bound: under 1 s on an idle machine, many seconds on a shared 2-core one
+SLACK_S = 15.0
 BODY = {"model": "tiny-llama", "prompt": "The harbour market opened before dawn and the fishermen", "max_tokens": 8,
         "temperature": 0, "ignore_eos": True}
 
@@ -37,7 +38,7 @@ def pd(tiny_model_dir, tmp_path_factory):
     prefill = [fleet.worker(f"prefill-{i}", "prefill", tiny_model_dir) for i in range(2)]
     decode = [fleet.worker(f"decode-{i}", "decode", tiny_model_dir) for i in range(2)]
     fleet.wait_ready()
-    router = fleet.router(prefill, decode, BOUNDS)
+    router = fleet.router(prefill, decode, BOUNDS + ["--probe-interval", str(PROBE_INTERVAL_S)])
     fleet.wait_ready()
     healthy = {s: text(post(router, stream=s)) for s in (False, True)}
     assert healthy[False] == healthy[True] and healthy[False]
@@ -89,7 +90,8 @@ def test_frozen_prefill_fails_over_to_the_other_then_to_decode_alone_and_comes_b
                 print(f"OUTCOME prefill frozen -> completed via the other prefill in {took:.1f} s")
                 break
         assert timeouts(router, "prefill") == before + 1, "the frozen prefill was never tried"
-        assert endpoint(router, "prefill", p0)["ejected"]
+        assert endpoint(router, "prefill", p0)["ejections"] >= 1, "ejected (maybe over already: it still fails "
+        "its probes)"
         for _ in range(3):  # left out: no request waits on it again
             r, took = timed(post, router, stream=True)
             assert text(r) == pd["want"] and took < SLACK_S
@@ -128,7 +130,7 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
         assert router_counter(router, "disagg:router_hop_timeouts_total", hop="decode",
                               stage="unresponsive") == unresponsive + 1
         assert timeouts(router, "decode") == before + 1, "the frozen decode was never tried"
-        assert endpoint(router, "decode", d0)["ejected"]
+        assert endpoint(router, "decode", d0)["ejections"] >= 1
         with frozen(fleet.procs["decode-1"]):
             r, took = timed(post, router, stream=True)
             assert r.status_code == 504 and r.headers["content-type"] == "application/json", r.text
@@ -138,7 +140,7 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
             print(f"OUTCOME both decodes frozen -> 504 in {took:.1f} s")
             # both are out now (ejected, probes timing out): the next client is told at once
             r, took = timed(post, router, stream=True)
-            assert r.status_code == 503 and took < 2.0, r.text
+            assert r.status_code == 503 and took < 3.0, r.text
             assert r.json()["error"]["type"] == "service_unavailable"
             print(f"OUTCOME both decodes out -> 503 in {took:.2f} s")
     assert router_counter(router, "disagg:router_requests_total", outcome="timeout") >= 1
