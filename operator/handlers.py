@@ -19,17 +19,14 @@ import kopf
 from disagg.operator import spec as s
 from disagg.operator.autoscaling.cluster import AutoscaleResult, OperatorMetrics, autoscale
 from disagg.operator.autoscaling.scaling_pass import PassState
+from disagg.operator.backoff import MAX_BACKOFF_SECONDS, EndlessBackoffs, backoff_seconds
 from disagg.operator.kube import ApiError, KubeClient, TransientApiError, load_connection
 from disagg.operator.reconcile import PassResult, ReplicasReverted, reconcile
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF_SECONDS = 60
 _RESOURCE = (s.GROUP, s.VERSION, s.PLURAL)
-
-
-def backoff_seconds(retry: int) -> float:
-    return float(min(MAX_BACKOFF_SECONDS, 2 ** retry))  # 1, 2, 4, ... 60
+API_REQUEST_TIMEOUT_SECONDS = 60  # one kopf API request (kopf's default: 5 minutes)
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -42,6 +39,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING  # Events for warnings and errors only
     settings.watching.server_timeout = 300
     settings.watching.connect_timeout = 10
+    # an unavailable API server (refused, 5xx, dropped watches): retried for as long as it lasts (backoff.py)
+    settings.networking.error_backoffs = memo.get("api_backoffs") or EndlessBackoffs()
+    settings.networking.connect_timeout = 10
+    settings.networking.request_timeout = API_REQUEST_TIMEOUT_SECONDS
     # a deleted resource keeps its finalizer until its resync timer (and autoscale daemon) stopped; a timer caught
     # mid-pass is re-checked only every cancellation_polling seconds (kopf's default 60): deletes took a minute
     settings.background.cancellation_polling = 1

@@ -196,12 +196,43 @@ class RouterService(_Model):
     port: int = Field(8000, ge=1, le=65535)
 
 
+class RouterTimeouts(_Model):
+    """Bounds on the router's waits (README: Reliability): past one, a hop fails over, or the client gets a 504
+    before anything streamed (an SSE error event once it has)."""
+    connect_seconds: int = Field(5, ge=1, le=600, description="Connecting to a worker.")
+    first_byte_seconds: int = Field(120, ge=1, le=86400, description="A hop until its first byte: the prefill's "
+                                    "answer (queueing + the prompt's compute), a decode stream's first chunk.")
+    idle_seconds: int = Field(60, ge=1, le=86400, description="A decode stream's silence between chunks.")
+    request_seconds: int = Field(600, ge=1, le=86400, description="A client request, all hops together; the "
+                                 "only bound on a non-streamed decode answer.")
+
+
+class OutlierDetection(_Model):
+    """Worker endpoints whose hops fail are left out for a while, then re-probed."""
+    consecutive_failures: int = Field(2, ge=1, le=100, description="Failed hops in a row that eject an endpoint "
+                                      "(a timed-out hop ejects at once).")
+    base_ejection_seconds: int = Field(5, ge=1, le=3600, description="The first ejection; each further one in a "
+                                       "row doubles it.")
+    max_ejection_seconds: int = Field(300, ge=1, le=86400)
+
+
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
     policy: Literal["least-loaded", "round-robin"] = "least-loaded"
     service: RouterService = Field(default_factory=RouterService)
     resources: Resources = Field(default_factory=Resources)
+    timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
+    outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     extra_args: list[str] = Field(default_factory=list)
+
+    def bound_args(self) -> list[str]:
+        """The `disagg router` flags for the timeouts and outlier detection (pods and `disagg up` alike)."""
+        t, o = self.timeouts, self.outlier_detection
+        return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
+                "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds),
+                "--eject-after-failures", str(o.consecutive_failures),
+                "--ejection-seconds", str(o.base_ejection_seconds),
+                "--max-ejection-seconds", str(o.max_ejection_seconds)]
 
 
 # ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)
@@ -438,6 +469,7 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
     if lo and hi and lo.prefill * hi.decode > hi.prefill * lo.decode:  # lo.p/lo.d > hi.p/hi.d without floats
         problems.append(Problem("spec.autoscaling.prefillDecodeRatio",
                                 f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
+    problems += _router_problems(spec.router)
     if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
         problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))
     rdma = spec.kv_transfer.rdma
@@ -469,6 +501,19 @@ def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kuberne
                                     "required on Kubernetes: set one of huggingFace, pvc, path, uri "
                                     "(a generated checkpoint is only for `disagg up`)"))
     return problems
+
+
+def _router_problems(r: RouterSpec) -> list[Problem]:
+    out = []
+    t, o = r.timeouts, r.outlier_detection
+    for name, value in (("firstByteSeconds", t.first_byte_seconds), ("idleSeconds", t.idle_seconds)):
+        if value > t.request_seconds:
+            out.append(Problem(f"spec.router.timeouts.{name}", f"{value} is above requestSeconds "
+                               f"{t.request_seconds} (the request's total bounds every hop)"))
+    if o.max_ejection_seconds < o.base_ejection_seconds:
+        out.append(Problem("spec.router.outlierDetection.maxEjectionSeconds",
+                           f"{o.max_ejection_seconds} is below baseEjectionSeconds {o.base_ejection_seconds}"))
+    return out
 
 
 def _model_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:

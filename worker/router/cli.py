@@ -30,7 +30,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per hop")
+    # bounds (router/timeouts.py): a hop past one fails over, or the client gets a 504 (README: Reliability)
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
+    p.add_argument("--first-byte-timeout", type=float, default=120.0,
+                   help="seconds from sending a hop to its first byte (the prefill's answer, a decode stream's "
+                        "first chunk); a hung worker is left for another one after this")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds a decode stream may be silent between chunks")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per client request, all hops together (bounds a non-streamed decode too)")
+    # outlier detection (router/outliers.py)
+    p.add_argument("--eject-after-failures", type=int, default=2,
+                   help="failed hops in a row that eject a worker endpoint (a timed-out hop ejects at once)")
+    p.add_argument("--ejection-seconds", type=float, default=5.0,
+                   help="first ejection's length; each further one in a row doubles it")
+    p.add_argument("--max-ejection-seconds", type=float, default=300.0)
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for open requests after SIGTERM")
     p.add_argument("--log-level", default="INFO")
@@ -53,7 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
     from disagg.worker.router.endpoints import EndpointPool
+    from disagg.worker.router.outliers import OutlierPolicy
     from disagg.worker.router.proxy import RouterState, build_app, probe_forever
+    from disagg.worker.router.timeouts import HopTimeouts
+
+    timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
+    ejection = OutlierPolicy(args.eject_after_failures, args.ejection_seconds, args.max_ejection_seconds)
+    for problem in timeouts.problems() + ejection.problems():
+        logger.error("%s", problem)
+    if timeouts.problems() or ejection.problems():
+        return 2
 
     discovery = None
     if args.discovery == "kubernetes":
@@ -70,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
     elif not args.decode:
         logger.error("give at least one --decode URL (or --discovery file or kubernetes)")
         return 2
-    prefill = EndpointPool("prefill", args.policy)
-    decode = EndpointPool("decode", args.policy)
+    prefill = EndpointPool("prefill", args.policy, outlier_policy=ejection)
+    decode = EndpointPool("decode", args.policy, outlier_policy=ejection)
     prefill.set_urls(args.prefill)
     decode.set_urls(args.decode)
     if isinstance(discovery, FileDiscovery):
         discovery.poll(prefill, decode)  # the first membership before serving
     state = RouterState(prefill, decode, RouterMetrics(), probe_interval_s=args.probe_interval,
-                        request_timeout_s=args.request_timeout)
+                        timeouts=timeouts)
     app = build_app(state)
 
     @contextlib.asynccontextmanager

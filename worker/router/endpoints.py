@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from disagg.worker.router import outliers
 
 
 # a busy worker may answer a probe late: only this many timeouts in a row take it out (an answer other than 200,
@@ -22,6 +26,12 @@ class Endpoint:
     reported_load: float = 0.0  # running + waiting requests by its last /metrics (every router's requests)
     kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
     probe_timeouts: int = 0  # readiness probes in a row that timed out
+    health: outliers.Health = field(default_factory=outliers.Health)  # hop failures and ejection (outliers.py)
+
+    def unresponsive(self) -> bool:
+        """Its readiness probes time out (a hung process, a partition) - unlike a draining worker, which answers
+        them with 503."""
+        return self.probe_timeouts >= PROBE_TIMEOUTS_TO_UNREADY
 
     def load(self) -> float:
         """This router's in-flight requests are counted at once, the worker's own count (which also holds other
@@ -52,12 +62,15 @@ def load_from_metrics(text: str) -> tuple[float, float] | None:
 class EndpointPool:
     """One role's endpoints. `pick` prefers ready endpoints with the least load - requests in flight from here
     or reported by the worker's metrics, then KV cache usage - (policy least-loaded) or rotates (round-robin);
-    ties rotate so load spreads evenly."""
+    ties rotate so load spreads evenly. Ejected endpoints (outliers.py) are left out while any other ready one
+    is left (an ejection never empties a pool whose probes pass)."""
 
     role: str  # prefill | decode
     policy: str = "least-loaded"  # least-loaded | round-robin
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
     _turn: itertools.count = field(default_factory=itertools.count)
+    outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
+    clock: Callable[[], float] = time.monotonic
 
     def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None) -> None:
         """Replace the membership (discovery); known endpoints keep their state.
@@ -69,7 +82,13 @@ class EndpointPool:
             endpoint.revision = revisions.get(url)
 
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
-        return [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
+        ready = [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
+        now = self.clock()
+        return [e for e in ready if not outliers.is_ejected(e.health, now)] or ready
+
+    def ejected(self) -> list[Endpoint]:
+        now = self.clock()
+        return [e for e in self.endpoints.values() if outliers.is_ejected(e.health, now)]
 
     def ready_revisions(self) -> set[str | None]:
         return {e.revision for e in self.endpoints.values() if e.ready}
@@ -89,6 +108,11 @@ class EndpointPool:
         best = [e for e in candidates if (e.load(), e.kv_usage) == fewest]
         return best[turn % len(best)]
 
-    def mark_failed(self, endpoint: Endpoint) -> None:
-        """A connection error or 5xx: stop choosing it until the next probe says it is ready."""
+    def mark_failed(self, endpoint: Endpoint, timed_out: bool = False) -> float | None:
+        """A connection error, 5xx or timeout: stop choosing it until the next probe says it is ready, and
+        eject it when outlier detection says so. Returns the ejection's length when it was ejected now."""
         endpoint.ready = False
+        return outliers.on_failure(endpoint.health, self.outlier_policy, self.clock(), timed_out)
+
+    def mark_ok(self, endpoint: Endpoint) -> None:
+        outliers.on_success(endpoint.health, self.clock())

@@ -27,6 +27,14 @@ class RouterMetrics:
         self.decode_alone = Counter("disagg:router_decode_alone", "Client requests the decode worker computed "
                                     "alone: prefill endpoints are configured but none gave KV.", LABELS,
                                     registry=self.registry)
+        self.hop_timeouts = Counter("disagg:router_hop_timeouts", "Hops that ran past a bound, per hop and "
+                                    "stage (connect, first_byte, idle, total).", (*labels, "stage"),
+                                    registry=self.registry)
+        self.ejections = Counter("disagg:router_ejections", "Worker endpoints ejected by outlier detection, per "
+                                 "hop (role).", labels, registry=self.registry)
+        self.broken_streams = Counter("disagg:router_broken_streams", "Decode streams ended with an SSE error "
+                                      "event after they had started, by cause (error, idle, total).",
+                                      (*LABELS, "cause"), registry=self.registry)
         self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
                               "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
 
@@ -35,6 +43,15 @@ class RouterMetrics:
         self.hop_latency.labels(self.model_name, "router", hop).observe(latency_s)
         if error:
             self.hop_errors.labels(self.model_name, "router", hop).inc()
+
+    def timed_out(self, hop: str, stage: str) -> None:
+        self.hop_timeouts.labels(self.model_name, "router", hop, stage).inc()
+
+    def ejected(self, hop: str) -> None:
+        self.ejections.labels(self.model_name, "router", hop).inc()
+
+    def stream_broken(self, cause: str) -> None:
+        self.broken_streams.labels(self.model_name, "router", cause).inc()
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.model_name, "router", outcome).inc()

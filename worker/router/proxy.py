@@ -4,6 +4,9 @@ with the returned kv_transfer_params), streamed back to the client.
 Retries only where no byte reached the client: a failed prefill hop moves to another prefill endpoint
 (none left: decode alone, computing the prompt itself); a decode hop that fails before its first byte
 moves to another decode endpoint. A decode stream broken midway ends with an SSE error event.
+Every wait is bounded (timeouts.py): a hop that runs past its bound fails over as a failed one does; with no
+decode endpoint left the client gets a 504 (503 when none could be reached), never a half-written 200. Failed
+endpoints are ejected for a while (outliers.py).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
@@ -21,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg.worker.router.endpoints import PROBE_TIMEOUTS_TO_UNREADY, Endpoint, EndpointPool, load_from_metrics
+from disagg.worker.router.timeouts import Deadline, HopTimeout, HopTimeouts, within
 from disagg.worker.server.protocol import error_body, sse
 
 logger = logging.getLogger(__name__)
@@ -30,8 +34,8 @@ def error_json(status: int, message: str, type_: str, param: str | None = None) 
     return JSONResponse(error_body(status, message, type_, param), status_code=status)
 
 
-def sse_error(message: str) -> bytes:
-    return sse(error_body(502, message, "upstream_error")) + sse("[DONE]")
+def sse_error(message: str, status: int = 502, type_: str = "upstream_error") -> bytes:
+    return sse(error_body(status, message, type_)) + sse("[DONE]")
 
 
 @dataclass
@@ -41,7 +45,7 @@ class RouterState:
     metrics: RouterMetrics
     client: httpx.AsyncClient | None = None
     probe_interval_s: float = 1.0
-    request_timeout_s: float = 600.0
+    timeouts: HopTimeouts = field(default_factory=HopTimeouts)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +83,8 @@ def build_app(state: RouterState) -> FastAPI:
     @app.get("/endpoints")
     async def endpoints() -> Response:
         """The current membership (who scales workers waits here until a removed one is gone)."""
-        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding}
+        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding,
+                             "ejected": e in pool.ejected(), "ejections": e.health.ejections}
                             for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
         return JSONResponse(body)
 
@@ -123,10 +128,11 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
         return error_json(400, problem, "invalid_request_error", problem.split(" ", 1)[0])
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
+    deadline = Deadline(state.timeouts)
     kv_params: dict[str, Any] | None = None
     revision: set[str | None] | None = None
     if state.prefill.endpoints:
-        outcome = await _prefill_hop(state, path, body, headers)
+        outcome = await _prefill_hop(state, path, body, headers, deadline)
         if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
             state.metrics.request("bad_request")
             return outcome
@@ -134,24 +140,29 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
         revision = {prefill_revision} if kv_params else None
         if not kv_params:
             state.metrics.fell_back_to_decode_alone()
-    return await _decode_hop(state, path, body, kv_params, headers, stream=bool(body.get("stream")),
+    return await _decode_hop(state, path, body, kv_params, headers, deadline, stream=bool(body.get("stream")),
                              revisions=revision)
 
 
-async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, str | None] | Response:
+async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], headers: dict[str, str],
+                       deadline: Deadline) -> tuple[dict[str, Any] | None, str | None] | Response:
     """(kv_transfer_params for the decode hop, the prefill endpoint's revision); params None when no
     prefill endpoint could do it (decode alone); a Response to pass back when the prefill rejected
     the request (4xx). Prefill endpoints whose revision has a ready decode endpoint go first."""
     tried: set[str] = set()
     p_body = prefill_body(body)
-    while (ep := state.prefill.pick(tried, revisions=state.decode.ready_revisions())) is not None:
+    while deadline.remaining() > 0 and \
+            (ep := state.prefill.pick(tried, revisions=state.decode.ready_revisions())) is not None:
         tried.add(ep.url)
         ep.outstanding += 1
         start = time.monotonic()
-        try:
-            r = await state.client.post(ep.url + path, json=p_body, headers=headers,
-                                        timeout=state.request_timeout_s)
+        try:  # the answer is one token: its first byte comes with the rest
+            r = await within(state.client.post(ep.url + path, json=p_body, headers=headers,
+                                               timeout=deadline.httpx_timeout()), deadline, "first_byte",
+                       hung=ep.unresponsive)
+        except HopTimeout as e:
+            _hop_timed_out(state, state.prefill, ep, "prefill", start, e)
+            continue
         except httpx.HTTPError as e:
             _hop_failed(state, state.prefill, ep, "prefill", start, f"{type(e).__name__}: {e}")
             continue
@@ -161,6 +172,7 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
             _hop_failed(state, state.prefill, ep, "prefill", start, f"HTTP {r.status_code}: {r.text[:200]}")
             continue
         state.metrics.hop("prefill", time.monotonic() - start, error=False)
+        state.prefill.mark_ok(ep)
         if r.status_code >= 400:
             return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
         try:
@@ -174,19 +186,38 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any],
     return None, None
 
 
-def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str) -> None:
+def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str,
+                timed_out: bool = False) -> None:
     logger.warning("%s hop to %s failed: %s", hop, ep.url, why)
     state.metrics.hop(hop, time.monotonic() - start, error=True)
-    pool.mark_failed(ep)
+    _eject_if(state, hop, ep, pool.mark_failed(ep, timed_out))
+
+
+def _eject_if(state: RouterState, hop: str, ep: Endpoint, ejected_s: float | None) -> None:
+    """Tell an ejection mark_failed just made (None: none)."""
+    if ejected_s is not None:
+        logger.warning("%s endpoint %s ejected for %g s (ejection %d in a row)", hop, ep.url, ejected_s,
+                       ep.health.ejections)
+        state.metrics.ejected(hop)
+
+
+def _hop_timed_out(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float,
+                   e: HopTimeout) -> None:
+    state.metrics.timed_out(hop, e.stage)
+    _hop_failed(state, pool, ep, hop, start, f"timed out ({e.stage}): {e}", timed_out=True)
 
 
 async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
-                      headers: dict[str, str], stream: bool, revisions: set[str | None] | None = None) -> Response:
+                      headers: dict[str, str], deadline: Deadline, stream: bool,
+                      revisions: set[str | None] | None = None) -> Response:
     alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     d_body = {**alone, "kv_transfer_params": kv_params} if kv_params else alone
     tried: set[str] = set()
+    timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
     received = time.monotonic()
-    while (ep := state.decode.pick(tried, revisions=revisions)) is not None:
+    # a non-streamed answer has no first byte before it is complete: only the total bounds it
+    stage = "first_byte" if stream else "total"
+    while deadline.remaining() > 0 and (ep := state.decode.pick(tried, revisions=revisions)) is not None:
         tried.add(ep.url)
         if d_body is not alone and revisions is not None and ep.revision not in revisions:
             # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
@@ -199,54 +230,87 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
         start = time.monotonic()
         resp = None
         try:
-            resp = await state.client.send(
-                state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
-                                           timeout=state.request_timeout_s), stream=True)
+            request = state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
+                                                 timeout=deadline.httpx_timeout())
+            resp = await within(state.client.send(request, stream=True), deadline, stage, since=start,
+                                hung=ep.unresponsive)
             if resp.status_code >= 500:
-                await resp.aread()
+                await within(resp.aread(), deadline, "idle")
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
                                             response=resp)
             if resp.status_code >= 400 or not stream:
-                content = await resp.aread()  # a broken body here is retried: nothing was sent yet
+                # a broken or abandoned body is retried: nothing was sent yet
+                content = await within(resp.aread(), deadline, stage, since=start, hung=ep.unresponsive)
                 await resp.aclose()
                 ep.outstanding -= 1
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
+                state.decode.mark_ok(ep)
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
                 return Response(content, status_code=resp.status_code, media_type="application/json",
                                 headers=headers)
             chunks = resp.aiter_raw()
-            first = await chunks.__anext__()  # before the first byte, a failure can still be retried
-        except (httpx.HTTPError, StopAsyncIteration) as e:
+            # before the first byte, a failure can still be retried
+            first = await within(chunks.__anext__(), deadline, "first_byte", since=start, hung=ep.unresponsive)
+        except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
             if resp is not None:
                 await resp.aclose()
             ep.outstanding -= 1
-            _hop_failed(state, state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
+            if isinstance(e, HopTimeout):
+                _hop_timed_out(state, state.decode, ep, "decode", start, e)
+                timed_out = f"{ep.url}: {e}"
+            else:
+                _hop_failed(state, state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
             continue
+        state.decode.mark_ok(ep)
         state.metrics.first_byte(time.monotonic() - received)
-        return StreamingResponse(_relay(state, ep, resp, first, chunks, start), media_type="text/event-stream",
-                                 headers=headers)
-    state.metrics.request("unavailable")
+        return StreamingResponse(_relay(state, ep, resp, first, chunks, start, deadline),
+                                 media_type="text/event-stream", headers=headers)
+    return _no_decode_answer(state, tried, timed_out, deadline)
+
+
+def _no_decode_answer(state: RouterState, tried: set[str], timed_out: str | None, deadline: Deadline) -> Response:
+    """Nothing was sent to the client yet: a 504 when a bound ran out, else a 503."""
     known = len(state.decode.endpoints)
+    if timed_out is not None or deadline.remaining() <= 0:
+        state.metrics.request("timeout")
+        last = f"; last: {timed_out}" if timed_out else ""
+        return error_json(504, f"no decode worker answered within the router's bounds (request total "
+                          f"{deadline.timeouts.total_s:g} s; {known} known, {len(tried)} tried{last})", "timeout")
+    state.metrics.request("unavailable")
     return error_json(503, f"no decode endpoint available ({known} known, {len(tried)} tried)",
                       "service_unavailable")
 
 
 async def _relay(state: RouterState, ep: Endpoint, resp: httpx.Response, first: bytes,
-                 chunks: AsyncIterator[bytes], start: float) -> AsyncIterator[bytes]:
-    error = False
+                 chunks: AsyncIterator[bytes], start: float, deadline: Deadline) -> AsyncIterator[bytes]:
+    """The stream has started (200 sent): a failure now ends it with an SSE error event, counted."""
+    cause = None
     try:
         yield first
-        async for chunk in chunks:
+        while True:
+            try:
+                chunk = await within(chunks.__anext__(), deadline, "idle")
+            except StopAsyncIteration:
+                break
             yield chunk
+    except HopTimeout as e:  # silent too long (hung worker), or the request's total ran out
+        cause = e.stage
+        logger.warning("decode stream from %s timed out: %s", ep.url, e)
+        state.metrics.timed_out("decode", e.stage)
+        if e.stage == "idle":  # the total running out says nothing about the endpoint
+            _eject_if(state, "decode", ep, state.decode.mark_failed(ep, timed_out=True))
+        yield sse_error(f"decode worker {ep.url} timed out mid-stream: {e}", 504, "timeout")
     except httpx.HTTPError as e:  # the decode worker went away mid-stream: end the stream cleanly
-        error = True
+        cause = "error"
         logger.warning("decode stream from %s broke: %s: %s", ep.url, type(e).__name__, e)
-        state.decode.mark_failed(ep)
+        _eject_if(state, "decode", ep, state.decode.mark_failed(ep))
         yield sse_error(f"decode worker {ep.url} failed mid-stream: {type(e).__name__}")
     finally:
         ep.outstanding -= 1
-        state.metrics.hop("decode", time.monotonic() - start, error=error)
-        state.metrics.request("upstream_error" if error else "ok")
+        state.metrics.hop("decode", time.monotonic() - start, error=cause is not None)
+        state.metrics.request("upstream_error" if cause == "error" else "timeout" if cause else "ok")
+        if cause is not None:
+            state.metrics.stream_broken(cause)
         await resp.aclose()
 
 

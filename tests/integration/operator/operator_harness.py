@@ -18,7 +18,8 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 class OperatorThread:
     """kopf.operator() in a daemon thread with its own loop; stop() returns in well under a second."""
 
-    def __init__(self, resync_seconds: float = RESYNC_SECONDS):
+    def __init__(self, resync_seconds: float = RESYNC_SECONDS, memo: dict | None = None):
+        """memo: more of the operator's injected parts (handlers.configure), e.g. api_backoffs."""
         from disagg.operator.autoscaling.cluster import OperatorMetrics
         from disagg.operator.handlers import build_registry
         self.registry = build_registry(resync_seconds)
@@ -26,6 +27,7 @@ class OperatorThread:
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.memo = memo or {}
         self.error: BaseException | None = None
 
     def start(self) -> OperatorThread:
@@ -36,8 +38,8 @@ class OperatorThread:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(kopf.operator(
-                    registry=self.registry, standalone=True, clusterwide=True, memo=kopf.Memo(metrics=self.metrics),
-                    ready_flag=self.ready, stop_flag=self.stopping))
+                    registry=self.registry, standalone=True, clusterwide=True,
+                    memo=kopf.Memo(metrics=self.metrics, **self.memo), ready_flag=self.ready, stop_flag=self.stopping))
             except BaseException as e:  # surfaced by stop()
                 self.error = e
             finally:

@@ -63,8 +63,9 @@ async def test_router_lists_its_membership_at_endpoints():
     client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(RouterState(prefill, decode, RouterMetrics()))),
                                base_url="http://router")
     body = (await client.get("/endpoints")).json()
-    assert body == {"prefill": [{"url": "http://p:1", "ready": False, "outstanding": 0}],
-                    "decode": [{"url": "http://d:1", "ready": False, "outstanding": 3}]}
+    idle = {"ejected": False, "ejections": 0}
+    assert body == {"prefill": [{"url": "http://p:1", "ready": False, "outstanding": 0, **idle}],
+                    "decode": [{"url": "http://d:1", "ready": False, "outstanding": 3, **idle}]}
 
 
 # ---------------------------------------------------------------- the plan

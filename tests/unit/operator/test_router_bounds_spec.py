@@ -1,0 +1,54 @@
+"""spec.router.timeouts and outlierDetection reach the router the same way on Kubernetes and in `disagg up`, and
+values that contradict each other are named."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from disagg.operator import manifests as m
+from disagg.operator import spec as s
+from disagg.worker.local.launcher import plan
+from disagg.worker.router import cli as router_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())["spec"]
+OWNER = m.Owner(name="llama", namespace="serving", uid="0000-1111")
+ROUTER = {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90},
+          "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40}}
+WANT = {"connect_timeout": 2.0, "first_byte_timeout": 30.0, "idle_timeout": 10.0, "request_timeout": 90.0,
+        "eject_after_failures": 3, "ejection_seconds": 4.0, "max_ejection_seconds": 40.0}
+
+
+def parsed_router_args(argv: list[str]) -> dict:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    router_cli.add_arguments(p)
+    args = vars(p.parse_args(argv[argv.index("router") + 1:]))
+    return {k: args[k] for k in WANT}
+
+
+def test_router_bounds_reach_the_router_pod_and_the_local_router():
+    spec = s.parse_spec({**copy.deepcopy(BASE), "router": ROUTER})
+    dep = m.build_router_deployment(OWNER, spec)
+    assert parsed_router_args(dep["spec"]["template"]["spec"]["containers"][0]["args"]) == WANT
+    ports = iter(range(9000, 9100))
+    local = plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv")[-1].argv
+    assert parsed_router_args(local) == WANT
+
+
+def test_defaults_are_the_routers_own():
+    spec = s.parse_spec(copy.deepcopy(BASE))
+    defaults = parsed_router_args(["router"])
+    assert parsed_router_args(["router", *spec.router.bound_args()]) == defaults
+
+
+def test_contradicting_bounds_are_named():
+    raw = {**copy.deepcopy(BASE), "router": {"timeouts": {"idleSeconds": 700},
+                                             "outlierDetection": {"baseEjectionSeconds": 60,
+                                                                  "maxEjectionSeconds": 30}}}
+    _, problems = s.check_spec(raw, "local")
+    fields = {p.path for p in problems}
+    assert {"spec.router.timeouts.idleSeconds", "spec.router.outlierDetection.maxEjectionSeconds"} <= fields
