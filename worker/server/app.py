@@ -3,6 +3,7 @@ health, readiness and Prometheus metrics, over one EngineLoop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -32,6 +33,7 @@ class ServerState:
     engine_loop: EngineLoop
     role: str  # prefill | decode | both
     draining: bool = False
+    kv_events: Any = None  # KVEventsInfo where KV-cache events are published (GET /kv_events), else None
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self, request_id: str) -> str:
@@ -66,6 +68,13 @@ def build_app(state: ServerState) -> FastAPI:
         if loop_.metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         return Response(loop_.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_events")
+    async def kv_events() -> Response:
+        """Where this worker publishes KV-cache events (a router subscribes there); 404 when it does not."""
+        if state.kv_events is None:
+            return error_response(APIError(404, "KV-cache events are off (--kv-events-endpoint)", "NotFoundError"))
+        return JSONResponse(dataclasses.asdict(state.kv_events))
 
     @app.get("/v1/models")
     async def models() -> Response:
