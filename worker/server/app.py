@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
@@ -75,6 +76,17 @@ def build_app(state: ServerState) -> FastAPI:
         if state.kv_events is None:
             return error_response(APIError(404, "KV-cache events are off (--kv-events-endpoint)", "NotFoundError"))
         return JSONResponse(dataclasses.asdict(state.kv_events))
+
+    @app.get("/tokenizer")
+    async def tokenizer_files() -> Response:
+        """The served model's tokenizer files (a prefix-aware router tokenizes prompts as this worker does)."""
+        if not loop_.ready:
+            return error_response(APIError(503, "model is loading", "service_unavailable"))
+        model_dir = Path(loop_.engine.config.model)
+        names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                 "generation_config.json")
+        files = {n: (model_dir / n).read_text() for n in names if (model_dir / n).is_file()}
+        return JSONResponse({"files": files})
 
     @app.get("/v1/models")
     async def models() -> Response:
