@@ -101,7 +101,8 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
     from disagg.operator.worker_command import Placement, build_worker_command
 
     port = port_for()
-    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir))
+    events = (port_for(), port_for()) if spec.router.policy == "prefix-aware" else None
+    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir, events))
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
     return ProcessSpec(f"{role}-{index}", [*program, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
