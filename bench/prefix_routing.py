@@ -60,9 +60,9 @@ def workload(systems: list[str], n: int, seed: int) -> list[tuple[int, str]]:
     return out
 
 
-def oracle_hit_rate(tok: Tokenizer, requests: list[tuple[int, str]]) -> float:
-    """Reuse of full blocks another request already computed anywhere (the pool holds every prefix)."""
-    seen: set[bytes] = set()
+def oracle_hit_rate(tok: Tokenizer, requests: list[tuple[int, str]], seen: set[bytes]) -> float:
+    """Reuse of full blocks an earlier request (of this rate or an earlier one: `seen`, updated) computed
+    anywhere, the pool holding every prefix."""
     hit = total = 0
     for _, prompt in requests:
         ids = tok.encode(prompt)
@@ -91,7 +91,8 @@ async def run_load(url: str, rate: float, requests: list[tuple[int, str]], max_t
             "tok_s": len(requests) * max_tokens / wall}
 
 
-def start_up(tmp: Path, policy: str, model_dir: str, connector: str, worker_args: list[str]) -> tuple:
+def start_up(tmp: Path, policy: str, model_dir: str, connector: str, worker_args: list[str],
+             router_args: list[str]) -> tuple:
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     spec = doc["spec"]
     spec["model"]["source"] = {"path": model_dir}
@@ -99,6 +100,8 @@ def start_up(tmp: Path, policy: str, model_dir: str, connector: str, worker_args
     spec["kvTransfer"]["connector"] = connector
     spec["prefill"]["replicas"] = spec["decode"]["replicas"] = 2
     spec["router"]["policy"] = policy
+    if policy == "prefix-aware":
+        spec["router"]["extraArgs"] = router_args
     (tmp / f"spec-{policy}.yaml").write_text(yaml.safe_dump(doc))
     port, out = free_port(), tmp / f"up-{policy}.out"
     proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / f"spec-{policy}.yaml"), "--port", str(port), "--log-dir",
@@ -125,7 +128,8 @@ def worker_totals(workers: dict[str, str]) -> dict[str, float]:
 
 def measure_policy(tmp: Path, policy: str, args: argparse.Namespace, model_dir: str, bytes_per_token: int,
                    tok: Tokenizer, systems: list[str]) -> dict[float, dict]:
-    proc, url, workers = start_up(tmp, policy, model_dir, args.connector, args.worker_args)
+    proc, url, workers = start_up(tmp, policy, model_dir, args.connector, args.worker_args,
+                                  ["--prefix-skip-prefill-blocks", str(args.skip_prefill_blocks)])
     out = {}
     try:
         if policy == "prefix-aware":  # the router learns the tokenizer and subscribes within a probe interval
@@ -151,13 +155,14 @@ def measure_policy(tmp: Path, policy: str, args: argparse.Namespace, model_dir: 
     return out
 
 
-def report(results: dict[str, dict[float, dict]], oracle: float, rates: list[float]) -> None:
-    print("\npolicy          rate   TTFT p50   TTFT p90   tok/s   hit rate   KV MB")
+def report(results: dict[str, dict[float, dict]], oracle: dict[float, float], rates: list[float]) -> None:
+    print("\npolicy          rate   TTFT p50   TTFT p90   tok/s   hit rate   oracle   KV MB")
     for policy, per_rate in results.items():
         for rate, r in per_rate.items():
             print(f"{policy:13s} {rate:6.1f} {r['ttft_p50']:9.3f}s {r['ttft_p90']:9.3f}s {r['tok_s']:7.1f} "
-                  f"{r['hit_rate']:9.2f} {r['kv_mb']:8.1f}")
-    print(f"oracle hit rate (every worker's cache known, the pool holds every prefix): {oracle:.2f}")
+                  f"{r['hit_rate']:9.2f} {oracle[rate]:8.2f} {r['kv_mb']:8.1f}")
+    print("oracle: the hit rate of a router that knows every worker's cache (the pool holds every prefix; "
+          "rates run in order on one deployment, so later rates start warm)")
     rr, pa = results.get("round-robin", {}), results.get("prefix-aware", {})
     ok = [r for r in rates if r in rr and rr[r]["ttft_p90"] < 2.0]
     if not ok or not pa:
@@ -171,19 +176,23 @@ def report(results: dict[str, dict[float, dict]], oracle: float, rates: list[flo
             print(f"  {base:12s} / prefix-aware: TTFT p90 {b['ttft_p90'] / p['ttft_p90']:.2f}x, "
                   f"p50 {b['ttft_p50'] / p['ttft_p50']:.2f}x; tok/s prefix-aware / {base} "
                   f"{p['tok_s'] / b['tok_s']:.2f}x; KV bytes {p['kv_mb'] / max(b['kv_mb'], 1e-9):.2f}x")
-    print(f"  prefix-aware hit rate {pa[r]['hit_rate']:.2f} vs oracle {oracle:.2f} "
-          f"({pa[r]['hit_rate'] / oracle:.0%} of it)")
+    print(f"  prefix-aware hit rate {pa[r]['hit_rate']:.2f} vs oracle {oracle[r]:.2f} "
+          f"({pa[r]['hit_rate'] / oracle[r]:.0%} of it)")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0])
-    p.add_argument("--num-requests", type=int, default=48, help="per rate")
+    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    p.add_argument("--num-requests", type=int, default=32, help="per rate")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-words", type=int, default=150, help="system prompt length (~3.3 tokens per word)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="per worker (default: ~0.6 of all prefixes)")
     p.add_argument("--connector", default="NixlConnector")
+    p.add_argument("--skip-prefill-blocks", type=int, default=2, help="prefix-aware's --prefix-skip-prefill-blocks")
+    p.add_argument("--hidden-size", type=int, default=384, help="of the generated model: prefill must cost "
+                   "something next to the HTTP hops for a prefix hit to show in TTFT")
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 5 processes on a small machine (see pd_serving.py)
@@ -191,18 +200,23 @@ def main() -> int:
         tmp = Path(d)
         from disagg.worker.model import write_tiny_checkpoint
 
-        layers, kv_heads, head_dim = 4, 2, 64
-        model_dir = str(write_tiny_checkpoint(tmp / "model", hidden_size=256, num_heads=4, num_kv_heads=kv_heads,
-                                              intermediate_size=1024, num_layers=layers))
+        layers, kv_heads, heads = args.layers, 2, 4
+        model_dir = str(write_tiny_checkpoint(tmp / "model", hidden_size=args.hidden_size, num_heads=heads,
+                                              num_kv_heads=kv_heads, intermediate_size=4 * args.hidden_size,
+                                              num_layers=layers))
+        head_dim = args.hidden_size // heads
         tok = Tokenizer(model_dir)
         systems = tenant_prompts(args.tenants, args.system_words, seed=7)
         prefix_blocks = sum(len(tok.encode(s)) // BLOCK_SIZE for s in systems)
         blocks = args.num_kv_blocks or max(int(prefix_blocks * 0.6), 1024 // BLOCK_SIZE + 8)
         print(f"{args.tenants} tenants, prefixes {prefix_blocks} blocks in all; {blocks} KV blocks per worker; "
-              f"connector {args.connector}; the machine is shared, so absolute figures are noisy", flush=True)
+              f"model hidden {args.hidden_size} x {layers} layers; connector {args.connector}; "
+              f"the machine is shared, so absolute figures are noisy", flush=True)
         args.worker_args = [f"--num-kv-blocks={blocks}"]
         bytes_per_token = 2 * layers * kv_heads * head_dim * 4  # K and V, float32
-        oracle = oracle_hit_rate(tok, workload(systems, args.num_requests, seed=1))
+        seen: set[bytes] = set()
+        oracle = {rate: oracle_hit_rate(tok, workload(systems, args.num_requests, seed=1 + i), seen)
+                  for i, rate in enumerate(args.rates)}
         results = {pol: measure_policy(tmp, pol, args, model_dir, bytes_per_token, tok, systems)
                    for pol in args.policies}
     report(results, oracle, args.rates)
