@@ -190,7 +190,15 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"disagg-{name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     router_port = args.port if args.port is not None else spec.router.service.port
-    port_for, kv_dir = (lambda: free_port(args.host)), str(log_dir / "kv")
+    handed_out: set[int] = set()
+
+    def port_for() -> int:  # free now, and not one handed out before (the OS may offer a port twice)
+        while (port := free_port(args.host)) in handed_out:
+            pass
+        handed_out.add(port)
+        return port
+
+    kv_dir = str(log_dir / "kv")
     endpoints_file = log_dir / "endpoints.json"  # the router follows it; the WorkerSet rewrites it as it scales
     specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file),
                  vllm)

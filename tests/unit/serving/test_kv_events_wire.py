@@ -218,3 +218,19 @@ def test_subscriber_address_uses_the_worker_host_for_a_wildcard_bind():
     assert subscriber_address("http://10.1.2.3:8000", "tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
 
 
+
+
+@pytest.mark.parametrize("endpoint, replay", [("tcp://*:5557", "tcp://*:5558"), ("tcp://127.0.0.1:0", "tcp://127.0.0.1:*"),
+                                              ("tcp://0.0.0.0:*", "tcp://0.0.0.0:*")])
+def test_the_replay_socket_defaults_to_the_next_port(endpoint, replay):
+    from disagg.worker.server.kv_events_publisher import replay_endpoint_for
+
+    assert replay_endpoint_for(endpoint) == replay
+
+
+@pytest.mark.parametrize("endpoint", ["ipc:///tmp/x", "tcp://host:port", "localhost:5557"])
+def test_a_bad_events_endpoint_is_named(endpoint):
+    from disagg.worker.server.kv_events_publisher import replay_endpoint_for
+
+    with pytest.raises(ValueError, match="--kv-events-endpoint"):
+        replay_endpoint_for(endpoint)
