@@ -129,7 +129,8 @@ def worker_totals(workers: dict[str, str]) -> dict[str, float]:
 def measure_policy(tmp: Path, policy: str, args: argparse.Namespace, model_dir: str, bytes_per_token: int,
                    tok: Tokenizer, systems: list[str]) -> dict[float, dict]:
     proc, url, workers = start_up(tmp, policy, model_dir, args.connector, args.worker_args,
-                                  ["--prefix-skip-prefill-blocks", str(args.skip_prefill_blocks)])
+                                  ["--prefix-skip-prefill-blocks", str(args.skip_prefill_blocks),
+                                   "--prefix-load-cost-tokens", str(args.load_cost_tokens)])
     out = {}
     try:
         if policy == "prefix-aware":  # the router learns the tokenizer and subscribes within a probe interval
@@ -190,6 +191,7 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=0, help="per worker (default: ~0.6 of all prefixes)")
     p.add_argument("--connector", default="NixlConnector")
     p.add_argument("--skip-prefill-blocks", type=int, default=2, help="prefix-aware's --prefix-skip-prefill-blocks")
+    p.add_argument("--load-cost-tokens", type=float, default=256.0, help="prefix-aware's --prefix-load-cost-tokens")
     p.add_argument("--hidden-size", type=int, default=384, help="of the generated model: prefill must cost "
                    "something next to the HTTP hops for a prefix hit to show in TTFT")
     p.add_argument("--layers", type=int, default=6)
