@@ -44,8 +44,8 @@ class KVIndex:
         if seq < expected:
             outcome = Applied.RESET
             entry.blocks.clear()
-        elif seq > expected:
-            outcome, lost = Applied.GAP, seq - expected
+        elif seq > expected:  # a first batch past 0 is a late join (the replay buffer had wrapped): not a loss
+            outcome, lost = Applied.GAP, seq - expected if entry.last_seq is not None else 0
             entry.blocks.clear()
         entry.last_seq = seq
         for event in events:

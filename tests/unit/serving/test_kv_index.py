@@ -60,6 +60,7 @@ def test_gap_reports_how_many_batches_were_lost_and_drop_forgets_the_endpoint():
     index.apply("http://a", 0, [stored(0, 1)])
     assert index.apply("http://a", 4, [stored(0)]) == (Applied.GAP, 3)
     assert index.block_size("http://a") == BS
+    assert index.apply("http://late", 7, [stored(0)]) == (Applied.GAP, 0)  # joined after the replay buffer wrapped
     index.apply("http://b", 0, [stored(0, 1, 2)])
     index.drop("http://a")
     assert index.prefix_blocks("http://a", H) == 0 and index.last_seq("http://a") is None
