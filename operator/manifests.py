@@ -35,6 +35,7 @@ MANAGED_BY = "disagg-operator"
 
 HTTP_PORT = 8000
 SIDE_CHANNEL_PORT = 5600
+KV_EVENTS_PORTS = (5557, 5558)  # KV-cache events PUB and replay (router.policy prefix-aware)
 MODELS_DIR = "/models"  # PVC mount
 CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
 SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
@@ -120,7 +121,15 @@ def ready_path(spec: s.DisaggregatedInferenceSpec) -> str:
 def worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
     shared = SHARED_STORAGE_DIR if spec.kv_transfer.shared_storage is not None else None
     return build_worker_command(spec, role, Placement("0.0.0.0", HTTP_PORT, "$(POD_IP)", SIDE_CHANNEL_PORT,
-                                                      model_dir(spec), shared))
+                                                      model_dir(spec), shared, KV_EVENTS_PORTS))
+
+
+def _kv_events_ports(spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """The workers' KV-cache event ports, exposed where the router subscribes to them."""
+    if spec.router.policy != "prefix-aware":
+        return []
+    return [{"name": "kv-events", "containerPort": KV_EVENTS_PORTS[0], "protocol": "TCP"},
+            {"name": "kv-events-replay", "containerPort": KV_EVENTS_PORTS[1], "protocol": "TCP"}]
 
 
 def _downward_env() -> list[dict[str, Any]]:
@@ -255,7 +264,8 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
         "command": command.argv[:1],
         "args": command.argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"}],
+                  {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"},
+                  *_kv_events_ports(spec)],
         "env": _downward_env() + [{"name": k, "value": v} for k, v in engine_env.items()] + _user_env(r.env),
         "resources": _resources(r.resources, devices),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_mount, *mounts],

@@ -218,7 +218,9 @@ class OutlierDetection(_Model):
 
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
-    policy: Literal["least-loaded", "round-robin"] = "least-loaded"
+    policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
+        "least-loaded", description="prefix-aware: by the workers' KV-cache events, the endpoint with the longest "
+        "cached prefix of the prompt, weighed against load (turns the workers' events on).")
     service: RouterService = Field(default_factory=RouterService)
     resources: Resources = Field(default_factory=Resources)
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)

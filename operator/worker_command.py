@@ -33,6 +33,7 @@ class Placement:
     side_channel_port: int  # NIXL side channel
     model_dir: str  # the checkpoint directory as the worker sees it
     shared_storage_path: str | None = None  # SharedStorageConnector's directory
+    kv_events_ports: tuple[int, int] | None = None  # KV-cache events (PUB, replay) for a prefix-aware router
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ def _disagg_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: P
         argv += [setting.flag, str(value)]
     if spec.model.max_model_len is not None:
         argv += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.router.policy == "prefix-aware":  # the router routes by the workers' KV-cache events
+        if placement.kv_events_ports is None:
+            raise ValueError("router.policy prefix-aware needs ports for the workers' KV-cache events")
+        pub, replay = placement.kv_events_ports
+        argv += ["--kv-events-endpoint", f"tcp://{placement.host}:{pub}",
+                 "--kv-events-replay-endpoint", f"tcp://{placement.host}:{replay}"]
     return WorkerCommand(argv)
 
 
@@ -130,8 +137,11 @@ def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[s.Problem]:
     """Parse each role's command as the worker would (with placeholder placement values)."""
     from disagg.worker.server.args import parse_worker_args
 
-    placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared")
+    placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared", (5557, 5558))
     problems = []
+    if spec.engine == "vllm" and spec.router.policy == "prefix-aware":
+        problems.append(s.Problem("spec.router.policy", "prefix-aware needs engine disagg: the router finds a "
+                                  "worker's KV-cache events at its GET /kv_events, which vLLM does not serve"))
     for role in ROLES:
         build = _vllm_command if spec.engine == "vllm" else _disagg_command
         try:

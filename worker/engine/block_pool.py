@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
@@ -27,6 +28,14 @@ def hash_request_blocks(token_ids: list[int], block_size: int, known: list[bytes
     return hashes
 
 
+class CacheEventSink(Protocol):
+    """Told when a hash enters or leaves the prefix cache (KV-cache events; see engine/kv_events.py)."""
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
+
+
 @dataclass
 class KVBlock:
     block_id: int
@@ -35,7 +44,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: CacheEventSink | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,6 +53,7 @@ class BlockPool:
         # free blocks in eviction order: first = least recently freed
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.events = events  # None: nobody listens
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,18 +95,26 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+    def cache_block(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """parent_hash and token_ids (the block's tokens) only go into the stored event."""
         if not self.enable_caching:
             return
         block = self.blocks[block_id]
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block_id)
+        if block_hash in self._cached:  # a duplicate of a cached block: the hash is already announced
+            return
+        self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
 
     def uncache_block(self, block_id: int) -> None:
         """Forget a block's hash (its KV is invalid, e.g. a failed remote load, or the block is reused)."""
         block = self.blocks[block_id]
         if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None

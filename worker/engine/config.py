@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    enable_kv_events: bool = False  # collect prefix-cache changes for LLMEngine.take_kv_events()
     seed: int = 0  # seeds sampling for requests without their own seed (per engine)
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 

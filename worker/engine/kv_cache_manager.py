@@ -1,7 +1,7 @@
 """Per-request block tables on top of the BlockPool, with prefix-cache lookups."""
 from __future__ import annotations
 
-from disagg.worker.engine.block_pool import BlockPool, hash_request_blocks
+from disagg.worker.engine.block_pool import BlockPool, CacheEventSink, hash_request_blocks
 from disagg.worker.engine.request import Request
 
 
@@ -10,9 +10,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: CacheEventSink | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, events=events)
         self.req_to_blocks: dict[str, list[int]] = {}  # req_id -> block table
         self._num_cached_blocks: dict[str, int] = {}  # req_id -> leading blocks already in the prefix cache
 
@@ -74,8 +75,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         request.block_hashes = hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        bs, tokens, hashes = self.block_size, request.all_token_ids, request.block_hashes
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
+            self.pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs])
         self._num_cached_blocks[request.request_id] = num_full
 
     def uncache_blocks(self, block_ids: set[int]) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from disagg.worker.engine.config import EngineConfig
 from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
+from disagg.worker.engine.kv_events import EventBatch, KVEventCollector
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
 from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
@@ -75,7 +76,12 @@ class LLMEngine:
         ktc = config.kv_transfer_config
         self.scheduler_connector = create_connector(ktc, KVConnectorRole.SCHEDULER, self.kv_cache_spec)
         self.worker_connector = create_connector(ktc, KVConnectorRole.WORKER, self.kv_cache_spec)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events: KVEventCollector | None = None
+        if config.enable_kv_events:
+            self.kv_events = KVEventCollector(config.block_size, "GPU" if self.device.type == "cuda" else "CPU")
+            self.kv_events.cleared()  # the first batch tells subscribers this engine starts empty
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               events=self.kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
@@ -165,6 +171,10 @@ class LLMEngine:
 
     def has_pending_kv_work(self) -> bool:
         return self.scheduler.has_pending_kv_work()
+
+    def take_kv_events(self) -> EventBatch | None:
+        """Prefix-cache changes since the last call (None: none, or events are off)."""
+        return self.kv_events.take() if self.kv_events is not None else None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:

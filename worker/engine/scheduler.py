@@ -79,6 +79,9 @@ class Scheduler:
         self._aborted_recving: dict[str, Request] = {}  # aborted while a remote load writes its blocks
         self._pending_outputs: list[EngineCoreOutput] = []  # finishes that happened outside a step
         self.num_preemptions_total = 0  # counter for metrics
+        # prefix-cache lookups, in tokens, counted when a lookup's blocks were taken (as vLLM's counters)
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -222,6 +225,9 @@ class Scheduler:
         new_blocks = self.kv.allocate_slots(req, num_new + num_external, computed_blocks)
         if new_blocks is None:
             return _NO_ROOM
+        if fresh:
+            self.prefix_cache_queries_total += req.num_tokens
+            self.prefix_cache_hits_total += len(computed_blocks) * self.kv.block_size
         if fresh and self.connector is not None and req.request_id not in self._skip_external_kv:
             self.connector.update_state_after_alloc(req, list(self.kv.get_block_ids(req.request_id)), num_external)
         if load_async:

@@ -101,7 +101,8 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
     from disagg.operator.worker_command import Placement, build_worker_command
 
     port = port_for()
-    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir))
+    events = (port_for(), port_for()) if spec.router.policy == "prefix-aware" else None
+    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir, events))
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
     return ProcessSpec(f"{role}-{index}", [*program, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
@@ -189,7 +190,15 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"disagg-{name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     router_port = args.port if args.port is not None else spec.router.service.port
-    port_for, kv_dir = (lambda: free_port(args.host)), str(log_dir / "kv")
+    handed_out: set[int] = set()
+
+    def port_for() -> int:  # free now, and not one handed out before (the OS may offer a port twice)
+        while (port := free_port(args.host)) in handed_out:
+            pass
+        handed_out.add(port)
+        return port
+
+    kv_dir = str(log_dir / "kv")
     endpoints_file = log_dir / "endpoints.json"  # the router follows it; the WorkerSet rewrites it as it scales
     specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file),
                  vllm)

@@ -26,7 +26,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
     p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
     p.add_argument("--worker-port", type=int, default=8000, help="kubernetes discovery: the workers' HTTP port")
-    p.add_argument("--policy", choices=["least-loaded", "round-robin"], default="least-loaded")
+    p.add_argument("--policy", choices=["least-loaded", "round-robin", "prefix-aware"], default="least-loaded",
+                   help="prefix-aware: by the workers' KV-cache events (their --kv-events-endpoint), the endpoint "
+                   "holding the longest prefix of the prompt, weighed against load")
+    x = p.add_argument_group("prefix-aware policy")
+    x.add_argument("--tokenizer", metavar="DIR", help="the served model's tokenizer directory (default: fetched "
+                   "from a worker's GET /tokenizer)")
+    x.add_argument("--prefix-load-cost-tokens", type=float, default=256.0, help="one request in flight at an "
+                   "endpoint weighs as much as this many prompt tokens it would have to compute")
+    x.add_argument("--prefix-skip-prefill-blocks", type=int, default=2, help="send to decode alone when the "
+                   "chosen decode endpoint misses at most this many full blocks of the prompt (0: only all)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
@@ -48,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for open requests after SIGTERM")
     p.add_argument("--log-level", default="INFO")
+
+
+def _prefix_router(args: argparse.Namespace, metrics: Any) -> Any:
+    if args.policy != "prefix-aware":
+        return None
+    from disagg.worker.model.tokenizer import Tokenizer
+    from disagg.worker.router.prefix_policy import PrefixPolicyConfig
+    from disagg.worker.router.prefix_router import PrefixRouter
+
+    config = PrefixPolicyConfig(load_cost_tokens=args.prefix_load_cost_tokens,
+                                skip_prefill_max_missing_blocks=args.prefix_skip_prefill_blocks)
+    return PrefixRouter(config, metrics, Tokenizer(args.tokenizer) if args.tokenizer else None)
 
 
 class _Server(uvicorn.Server):
@@ -99,8 +120,14 @@ def run(args: argparse.Namespace) -> int:
     decode.set_urls(args.decode)
     if isinstance(discovery, FileDiscovery):
         discovery.poll(prefill, decode)  # the first membership before serving
-    state = RouterState(prefill, decode, RouterMetrics(), probe_interval_s=args.probe_interval,
-                        timeouts=timeouts)
+    metrics = RouterMetrics()
+    try:
+        prefix = _prefix_router(args, metrics)
+    except (ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
+    state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
+                        prefix=prefix)
     app = build_app(state)
 
     @contextlib.asynccontextmanager
@@ -111,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
             tasks = [asyncio.ensure_future(probe_forever(state))]
             if discovery is not None:
                 tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
+            if prefix is not None:
+                from disagg.worker.router.prefix_router import maintain_forever
+
+                tasks.append(asyncio.ensure_future(maintain_forever(prefix, [prefill, decode], client,
+                                                                    args.probe_interval)))
             logger.info("routing: prefill=%s decode=%s policy=%s", list(prefill.endpoints), list(decode.endpoints),
                         args.policy)
             yield

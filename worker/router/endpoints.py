@@ -66,7 +66,7 @@ class EndpointPool:
     is left (an ejection never empties a pool whose probes pass)."""
 
     role: str  # prefill | decode
-    policy: str = "least-loaded"  # least-loaded | round-robin
+    policy: str = "least-loaded"  # least-loaded | round-robin | prefix-aware (least-loaded where no costs)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
     _turn: itertools.count = field(default_factory=itertools.count)
     outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
@@ -93,15 +93,21 @@ class EndpointPool:
     def ready_revisions(self) -> set[str | None]:
         return {e.revision for e in self.endpoints.values() if e.ready}
 
-    def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None) -> Endpoint | None:
+    def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None,
+             costs: dict[str, float] | None = None) -> Endpoint | None:
         """revisions: prefer endpoints of these serving revisions when any is available (during a
-        rollout, KV moves only between prefill and decode pods that run the same model/config)."""
+        rollout, KV moves only between prefill and decode pods that run the same model/config).
+        costs: url -> this request's cost there (prefix-aware: prefix_policy.py); the cheapest goes first."""
         candidates = self.available(exclude)
         if revisions is not None:
             candidates = [e for e in candidates if e.revision in revisions] or candidates
         if not candidates:
             return None
         turn = next(self._turn)
+        if costs is not None:
+            key = {e.url: (costs.get(e.url, float("inf")), e.load(), e.kv_usage) for e in candidates}
+            best = [e for e in candidates if key[e.url] == min(key.values())]
+            return best[turn % len(best)]
         if self.policy == "round-robin":
             return candidates[turn % len(candidates)]
         fewest = min((e.load(), e.kv_usage) for e in candidates)

@@ -35,6 +35,17 @@ class RouterMetrics:
         self.broken_streams = Counter("disagg:router_broken_streams", "Decode streams ended with an SSE error "
                                       "event after they had started, by cause (error, idle, total).",
                                       (*LABELS, "cause"), registry=self.registry)
+        self.prefix_prompt_tokens = Counter("disagg:router_prefix_prompt_tokens", "Prompt tokens of the requests "
+                                            "routed by the prefix-aware policy.", LABELS, registry=self.registry)
+        self.prefix_hit_tokens = Counter("disagg:router_prefix_hit_tokens", "Of those, the tokens the chosen decode "
+                                         "endpoint held in its prefix cache (by its KV events).", LABELS,
+                                         registry=self.registry)
+        self.prefill_skipped = Counter("disagg:router_prefill_skipped", "Requests sent to decode alone because it "
+                                       "held all but a few blocks of the prompt.", LABELS, registry=self.registry)
+        self.kv_events_total = Counter("disagg:router_kv_events", "KV-cache events received from workers.", LABELS,
+                                 registry=self.registry)
+        self.kv_events_lost_total = Counter("disagg:router_kv_events_lost", "KV-cache event batches lost (sequence gaps "
+                                      "not replayed, undecodable batches).", LABELS, registry=self.registry)
         self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
                               "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
 
@@ -61,6 +72,19 @@ class RouterMetrics:
 
     def first_byte(self, seconds: float) -> None:
         self.ttft.labels(self.model_name, "router").observe(seconds)
+
+    def prefix_decision(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.prefix_prompt_tokens.labels(self.model_name, "router").inc(prompt_tokens)
+        self.prefix_hit_tokens.labels(self.model_name, "router").inc(hit_tokens)
+
+    def skipped_prefill(self) -> None:
+        self.prefill_skipped.labels(self.model_name, "router").inc()
+
+    def kv_events_received(self, n: int) -> None:
+        self.kv_events_total.labels(self.model_name, "router").inc(n)
+
+    def kv_events_lost(self, n: int) -> None:
+        self.kv_events_lost_total.labels(self.model_name, "router").inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -46,6 +46,7 @@ class RouterState:
     client: httpx.AsyncClient | None = None
     probe_interval_s: float = 1.0
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    prefix: Any = None  # PrefixRouter with --policy prefix-aware (prefix_router.py), else None
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -131,8 +132,11 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     deadline = Deadline(state.timeouts)
     kv_params: dict[str, Any] | None = None
     revision: set[str | None] | None = None
-    if state.prefill.endpoints:
-        outcome = await _prefill_hop(state, path, body, headers, deadline)
+    plan = state.prefix.plan(body, path, state.prefill, state.decode) if state.prefix is not None else None
+    if plan is not None and plan.skip_prefill and state.prefill.endpoints:
+        state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
+    elif state.prefill.endpoints:
+        outcome = await _prefill_hop(state, path, body, headers, deadline, plan.prefill_costs if plan else None)
         if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
             state.metrics.request("bad_request")
             return outcome
@@ -141,18 +145,19 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
         if not kv_params:
             state.metrics.fell_back_to_decode_alone()
     return await _decode_hop(state, path, body, kv_params, headers, deadline, stream=bool(body.get("stream")),
-                             revisions=revision)
+                             revisions=revision, costs=plan.decode_costs if plan else None)
 
 
 async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], headers: dict[str, str],
-                       deadline: Deadline) -> tuple[dict[str, Any] | None, str | None] | Response:
+                       deadline: Deadline, costs: dict[str, float] | None = None
+                       ) -> tuple[dict[str, Any] | None, str | None] | Response:
     """(kv_transfer_params for the decode hop, the prefill endpoint's revision); params None when no
     prefill endpoint could do it (decode alone); a Response to pass back when the prefill rejected
     the request (4xx). Prefill endpoints whose revision has a ready decode endpoint go first."""
     tried: set[str] = set()
     p_body = prefill_body(body)
     while deadline.remaining() > 0 and \
-            (ep := state.prefill.pick(tried, revisions=state.decode.ready_revisions())) is not None:
+            (ep := state.prefill.pick(tried, revisions=state.decode.ready_revisions(), costs=costs)) is not None:
         tried.add(ep.url)
         ep.outstanding += 1
         start = time.monotonic()
@@ -209,7 +214,7 @@ def _hop_timed_out(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: st
 
 async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
                       headers: dict[str, str], deadline: Deadline, stream: bool,
-                      revisions: set[str | None] | None = None) -> Response:
+                      revisions: set[str | None] | None = None, costs: dict[str, float] | None = None) -> Response:
     alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     d_body = {**alone, "kv_transfer_params": kv_params} if kv_params else alone
     tried: set[str] = set()
@@ -217,7 +222,7 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
     received = time.monotonic()
     # a non-streamed answer has no first byte before it is complete: only the total bounds it
     stage = "first_byte" if stream else "total"
-    while deadline.remaining() > 0 and (ep := state.decode.pick(tried, revisions=revisions)) is not None:
+    while deadline.remaining() > 0 and (ep := state.decode.pick(tried, revisions=revisions, costs=costs)) is not None:
         tried.add(ep.url)
         if d_body is not alone and revisions is not None and ep.revision not in revisions:
             # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
@@ -347,7 +352,7 @@ async def _probe(state: RouterState, ep: Endpoint) -> None:
     if ready != ep.ready:
         logger.info("endpoint %s is %s", ep.url, "ready" if ready else "not ready")
     ep.ready = ready
-    if ready and state.prefill.policy == "least-loaded":
+    if ready and state.prefill.policy != "round-robin":
         await _scrape_load(state, ep, timeout)
     if ready and state.metrics.model_name == "":
         try:

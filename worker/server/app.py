@@ -3,11 +3,13 @@ health, readiness and Prometheus metrics, over one EngineLoop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
@@ -32,6 +34,7 @@ class ServerState:
     engine_loop: EngineLoop
     role: str  # prefill | decode | both
     draining: bool = False
+    kv_events: Any = None  # KVEventsInfo where KV-cache events are published (GET /kv_events), else None
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self, request_id: str) -> str:
@@ -66,6 +69,24 @@ def build_app(state: ServerState) -> FastAPI:
         if loop_.metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         return Response(loop_.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_events")
+    async def kv_events() -> Response:
+        """Where this worker publishes KV-cache events (a router subscribes there); 404 when it does not."""
+        if state.kv_events is None:
+            return error_response(APIError(404, "KV-cache events are off (--kv-events-endpoint)", "NotFoundError"))
+        return JSONResponse(dataclasses.asdict(state.kv_events))
+
+    @app.get("/tokenizer")
+    async def tokenizer_files() -> Response:
+        """The served model's tokenizer files (a prefix-aware router tokenizes prompts as this worker does)."""
+        if not loop_.ready:
+            return error_response(APIError(503, "model is loading", "service_unavailable"))
+        model_dir = Path(loop_.engine.config.model)
+        names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                 "generation_config.json")
+        files = {n: (model_dir / n).read_text() for n in names if (model_dir / n).is_file()}
+        return JSONResponse({"files": files})
 
     @app.get("/v1/models")
     async def models() -> Response:

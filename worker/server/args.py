@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for setting in all_settings():  # each connector's own settings, from its declaration
         k.add_argument(setting.flag, type=setting.value_type, dest=setting.extra_key, help=setting.help)
     k.add_argument("--engine-id", default="", help="unique engine id (default: random)")
+    e = p.add_argument_group("KV-cache events (vLLM's ZMQ wire format; read by `disagg router --policy prefix-aware`)")
+    e.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                   help="publish prefix-cache changes on this ZMQ PUB address, e.g. tcp://*:5557 (default: off)")
+    e.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
+                   help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB port + 1)")
+    e.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for running requests after SIGTERM")
     p.add_argument("--log-level", default="INFO")

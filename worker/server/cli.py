@@ -31,28 +31,49 @@ def engine_config(args: argparse.Namespace, model: str) -> Any:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_transfer_config=kv_transfer_config(args),
+        seed=args.seed, kv_transfer_config=kv_transfer_config(args), enable_kv_events=bool(args.kv_events_endpoint),
     )
+
+
+def kv_events_publisher(args: argparse.Namespace) -> Any:
+    """The ZMQ publisher when --kv-events-endpoint is given, else None; ValueError on a bad or busy address."""
+    if not args.kv_events_endpoint:
+        return None
+    from disagg.worker.server.kv_events_publisher import ZmqEventPublisher, replay_endpoint_for
+
+    replay = args.kv_events_replay_endpoint or replay_endpoint_for(args.kv_events_endpoint)
+    return ZmqEventPublisher(args.kv_events_endpoint, replay, args.block_size, topic=args.kv_events_topic)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from disagg.worker.model.tiny import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    try:
+        config = engine_config(args, model)
+        publisher = kv_events_publisher(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    try:
+        return _serve(args, config, publisher)
+    finally:
+        if publisher is not None:  # after the engine stopped: its last changes are sent
+            publisher.close()
+
+
+def _serve(args: argparse.Namespace, config: Any, publisher: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
     from disagg.worker.server.metrics import WorkerMetrics
     from disagg.worker.server.app import ServerState, build_app
     from disagg.worker.server.engine_loop import EngineLoop
 
-    model = args.model or str(default_model_dir())
-    try:
-        config = engine_config(args, model)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
     lease = float(config.kv_transfer_config.kv_connector_extra_config.get("lease_seconds", DEFAULT_LEASE_SECONDS))
     engine_loop = EngineLoop(lambda: LLMEngine(config),
-                             lambda engine: WorkerMetrics(engine.served_model_name, args.role))
-    state = ServerState(engine_loop, args.role)
+                             lambda engine: WorkerMetrics(engine.served_model_name, args.role),
+                             publish_kv_events=publisher.publish if publisher is not None else None)
+    state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None)
     app = build_app(state)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

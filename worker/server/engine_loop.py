@@ -41,8 +41,10 @@ class _Abort:
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Any], metrics_factory: Callable[[Any], WorkerMetrics]):
+    def __init__(self, engine_factory: Callable[[], Any], metrics_factory: Callable[[Any], WorkerMetrics],
+                 publish_kv_events: Callable[[Any], None] | None = None):
         self._engine_factory = engine_factory
+        self._publish_kv_events = publish_kv_events  # takes an EventBatch (thread-safe); None: events are off
         self._metrics_factory = metrics_factory
         self.engine: Any = None  # set once loaded; read-only outside the thread (name, tokenizer, limits)
         self.metrics: WorkerMetrics | None = None
@@ -174,7 +176,13 @@ class EngineLoop:
             num_preemptions_total=sched.num_preemptions_total,
             prompt_tokens_total=engine.stats.prompt_tokens, generation_tokens_total=engine.stats.generation_tokens,
             pending_sends=pending.get("pending_sends", 0), pending_loads=pending.get("pending_loads", 0),
+            prefix_cache_queries_total=sched.prefix_cache_queries_total,
+            prefix_cache_hits_total=sched.prefix_cache_hits_total,
         ))
         stats = engine.stats.kv_connector_stats
         while stats:
             self.metrics.observe_connector_stats(stats.pop(0))
+        if self._publish_kv_events is not None:
+            batch = engine.take_kv_events()
+            if batch is not None:
+                self._publish_kv_events(batch)

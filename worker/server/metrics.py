@@ -38,6 +38,8 @@ class EngineSnapshot:
     generation_tokens_total: int
     pending_sends: int  # requests whose KV waits at this (prefill) worker to be pulled
     pending_loads: int  # requests waiting at this (decode) worker for remote KV
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the local prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found there
 
 
 class WorkerMetrics:
@@ -84,7 +86,11 @@ class WorkerMetrics:
                                        "(any connector).")
         self.kv_bytes_saved = counter("disagg:kv_bytes_saved", "KV-cache bytes written for another worker "
                                       "(connectors that push, e.g. shared storage).")
-        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+                                            "number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                         "cached tokens.")
+        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0, "pc_queries": 0, "pc_hits": 0}
 
     # ---------------------------------------------------------------- engine thread
     def update_engine(self, snap: EngineSnapshot) -> None:
@@ -99,6 +105,8 @@ class WorkerMetrics:
             ("preemptions", snap.num_preemptions_total, self.num_preemptions),
             ("prompt", snap.prompt_tokens_total, self.prompt_tokens),
             ("generation", snap.generation_tokens_total, self.generation_tokens),
+            ("pc_queries", snap.prefix_cache_queries_total, self.prefix_cache_queries),
+            ("pc_hits", snap.prefix_cache_hits_total, self.prefix_cache_hits),
         ):
             if value > self._last_totals[key]:
                 counter.inc(value - self._last_totals[key])

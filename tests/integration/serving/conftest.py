@@ -40,16 +40,17 @@ class Fleet:
         self.procs: dict[str, LocalProcess] = {}
         self.killed: set[str] = set()  # names a test killed on purpose
 
-    def worker(self, name: str, role: str, model: str, connector: str | None, lease_s: int = 5) -> str:
-        port = free_port()
+    def worker(self, name: str, role: str, model: str, connector: str | None, lease_s: int = 5,
+               extra: tuple[str, ...] = (), port: int | None = None) -> str:
+        port = port or free_port()
         argv = [*CLI, "worker", "--role", role, "--model", model, "--port", str(port), *WORKER_FLAGS,
-                *connector_flags(connector, self.log_dir / "kv", lease_s)]
+                *connector_flags(connector, self.log_dir / "kv", lease_s), *extra]
         return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
 
-    def router(self, prefill: list[str], decode: list[str]) -> str:
+    def router(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = ()) -> str:
         port = free_port()
         argv = [*CLI, "router", "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0.5",
-                "--prefill", *prefill, "--decode", *decode]
+                "--prefill", *prefill, "--decode", *decode, *extra]
         return self._start(ProcessSpec("router", argv, f"http://127.0.0.1:{port}"))
 
     def _start(self, spec: ProcessSpec) -> str:

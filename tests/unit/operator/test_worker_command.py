@@ -300,3 +300,35 @@ def test_disagg_up_with_engine_vllm_says_clearly_when_vllm_is_missing(tmp_path, 
     assert "vLLM is not installed" in err and "--vllm" in err and launcher.VLLM_ENV in err, err
     assert launcher.run(parser.parse_args(["-f", str(spec_file), "--vllm", str(tmp_path / "nope")])) == 2
     assert "not an executable" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- router.policy prefix-aware
+def test_prefix_aware_turns_on_the_workers_kv_events_and_exposes_their_ports(tmp_path):
+    from disagg.worker.local.launcher import worker_spec
+
+    doc = document("nixl", "path", "none", 1, False)
+    doc["spec"]["router"] = {**doc["spec"].get("router", {}), "policy": "prefix-aware"}
+    assert validate.validate_document(doc) == []
+    env = {"POD_IP": "10.1.2.3", "POD_NAME": "p", "POD_NAMESPACE": "serving"}
+    for role in ("prefill", "decode"):
+        c = next(c for n, c in pod_containers(doc) if n == f"llama-{role}" and c["name"] == role)
+        args = parse_like_the_pod([*c["command"], *c["args"]], env)
+        assert args.kv_events_endpoint == "tcp://0.0.0.0:5557" and args.kv_events_replay_endpoint.endswith(":5558")
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}.items() >= {"kv-events": 5557,
+                                                                              "kv-events-replay": 5558}.items()
+    router = next(c for n, c in pod_containers(doc) if n == "llama-router")
+    assert flag_value(router["args"], "--policy") == "prefix-aware"
+    # disagg up: the same flags on loopback, fresh ports per worker
+    ports = iter(range(20000, 20100))
+    spec = s.parse_spec(doc["spec"])
+    local = [worker_spec(spec, "decode", i, "/m", "127.0.0.1", lambda: next(ports), str(tmp_path)) for i in range(2)]
+    endpoints = [flag_value(w.argv, "--kv-events-endpoint") for w in local]
+    assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints) and len(set(endpoints)) == 2
+    # off by default
+    plain = document("nixl", "path", "none", 1, False)
+    assert all("--kv-events-endpoint" not in c["args"] for _, c in pod_containers(plain))
+
+
+def test_prefix_aware_with_vllm_workers_is_rejected_by_name():
+    doc = vllm_document(router={"policy": "prefix-aware"})
+    assert [p.path for p in validate.validate_document(doc)] == ["spec.router.policy"]

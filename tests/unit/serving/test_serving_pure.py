@@ -143,7 +143,8 @@ def test_waiting_prompt_tokens_gauge_sums_the_waiting_queue_under_the_name_the_a
     # the engine loop reads the scheduler's waiting deque; the gauge carries the name the autoscaler reads
     waiting = [SimpleNamespace(num_prompt_tokens=n) for n in (7, 30)]
     engine = SimpleNamespace(
-        scheduler=SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0),
+        scheduler=SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0,
+                                  prefix_cache_queries_total=0, prefix_cache_hits_total=0),
         scheduler_connector=None, kv_cache_manager=SimpleNamespace(usage=lambda: 0.25),
         stats=SimpleNamespace(prompt_tokens=0, generation_tokens=0, kv_connector_stats=[]))
     loop = EngineLoop(lambda: engine, lambda _: WorkerMetrics("m", "decode"))

@@ -1,0 +1,169 @@
+"""Subscriptions to the workers' KV-cache events (ZMQ SUB, vLLM's wire format), feeding the router's KVIndex.
+
+Every ready endpoint of either pool that serves GET /kv_events gets one subscriber task; an endpoint that turns
+unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker starts over empty). On a
+gap in the sequence the subscriber asks the worker's replay socket for what it missed before applying more.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from disagg.worker.engine.kv_events import decode_batch
+from disagg.worker.router.kv_index import Applied, KVIndex
+from disagg.worker.router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = -1  # the replay socket's end marker (signed 8 bytes)
+REPLAY_TIMEOUT_MS = 2000
+NO_EVENTS_RETRY_S = 30.0  # an endpoint without /kv_events (events off, or vLLM) is asked again after this
+
+
+def subscriber_address(worker_url: str, bound: str) -> str:
+    """The worker's bound ZMQ address as reachable from here: a wildcard host becomes the worker URL's host."""
+    head, _, port = bound.rpartition(":")
+    host = head.removeprefix("tcp://").strip("[]")
+    if host in ("0.0.0.0", "*", "::", ""):
+        host = urlparse(worker_url).hostname or "127.0.0.1"
+    return f"tcp://{host}:{port}"
+
+
+class EndpointSubscriber:
+    """One worker's event stream into the index."""
+
+    def __init__(self, url: str, info: dict[str, Any], index: KVIndex, metrics: RouterMetrics,
+                 ctx: zmq.asyncio.Context):
+        self.url, self.index, self.metrics, self.ctx = url, index, metrics, ctx
+        self.topic = str(info.get("topic") or "").encode()
+        self.endpoint = subscriber_address(url, info["endpoint"])
+        replay = info.get("replay_endpoint")
+        self.replay_endpoint = subscriber_address(url, replay) if replay else None
+        self._replayed_upto: int | None = None  # live batches up to here were applied by a replay
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        logger.info("subscribed to KV events of %s at %s", self.url, self.endpoint)
+        try:
+            if self.replay_endpoint:  # catch up on what the worker cached before we came
+                await self._replay(0)
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    logger.warning("KV events from %s: malformed message (%d frames)", self.url, len(frames))
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if self._replayed_upto is not None:
+                    if seq <= self._replayed_upto:
+                        continue  # seen in the replay
+                    self._replayed_upto = None
+                last = self.index.last_seq(self.url)
+                if self.replay_endpoint and last is not None and seq > last + 1:
+                    await self._replay(last + 1)
+                    if self._replayed_upto is not None and seq <= self._replayed_upto:
+                        continue
+                self._apply(seq, frames[2], replayed=False)
+        finally:
+            sub.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes, replayed: bool) -> None:
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.warning("KV events from %s: undecodable batch %d: %s", self.url, seq, e)
+            self.metrics.kv_events_lost(1)
+            return
+        outcome, lost = self.index.apply(self.url, seq, batch.events, replayed=replayed)
+        if outcome is Applied.DUPLICATE:
+            return
+        self.metrics.kv_events_received(len(batch.events))
+        if outcome is Applied.GAP and lost:
+            logger.warning("KV events from %s: %d batches lost before %d; its index starts over", self.url,
+                           lost, seq)
+            self.metrics.kv_events_lost(lost)
+        elif outcome is Applied.RESET:
+            logger.info("KV events from %s: sequence went back to %d (restarted); its index starts over",
+                        self.url, seq)
+
+    async def _replay(self, start: int) -> None:
+        """Apply the worker's buffered batches from `start` on."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.connect(self.replay_endpoint)
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_MS):
+                    logger.warning("KV events replay from %s timed out", self.url)
+                    return
+                frames = await sock.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    logger.warning("KV events replay from %s: malformed answer", self.url)
+                    return
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    return
+                self._apply(seq, frames[3], replayed=True)
+                self._replayed_upto = seq
+        finally:
+            sock.close(linger=0)
+
+
+class KVEventSubscriptions:
+    """Keeps one EndpointSubscriber per ready endpoint that publishes events."""
+
+    def __init__(self, index: KVIndex, metrics: RouterMetrics, clock: Any = None):
+        self.index, self.metrics = index, metrics
+        self.ctx = zmq.asyncio.Context()
+        self.tasks: dict[str, asyncio.Task] = {}  # url -> subscriber task
+        self._no_events: dict[str, float] = {}  # url -> when it said it publishes none
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+
+    async def sync_once(self, pools: list[Any], client: httpx.AsyncClient) -> None:
+        ready = {url for pool in pools for url, ep in pool.endpoints.items() if ep.ready}
+        for url, task in list(self.tasks.items()):
+            if url not in ready or task.done():
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    logger.warning("KV events subscriber of %s failed: %r", url, task.exception())
+                task.cancel()
+                del self.tasks[url]
+                self.index.drop(url)
+        now = self._clock()
+        for url in sorted(ready - set(self.tasks)):
+            if now - self._no_events.get(url, -NO_EVENTS_RETRY_S) < NO_EVENTS_RETRY_S:
+                continue
+            info = await _events_info(client, url)
+            if info is None:
+                self._no_events[url] = now
+                continue
+            self._no_events.pop(url, None)
+            sub = EndpointSubscriber(url, info, self.index, self.metrics, self.ctx)
+            self.tasks[url] = asyncio.ensure_future(sub.run())
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+        self.ctx.destroy(linger=0)
+
+
+async def _events_info(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        r = await client.get(f"{url}/kv_events", timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        info = r.json()
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("endpoint"), str) else None

@@ -1,0 +1,65 @@
+"""The prefix-aware policy's decision (pure; no I/O): where a prompt's KV already is, weighed against load.
+
+Cost of an endpoint for one prompt, in prompt tokens: the tokens it would still compute (prompt minus its cached
+prefix) plus `load_cost_tokens` per request it has in flight (and per unit of KV usage), so a hot prefix moves to
+a second endpoint once the first is that many requests busier. Decode is chosen first; the prefill hop is skipped
+when that decode endpoint already holds all but `skip_prefill_max_missing_blocks` of the prompt's full blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixPolicyConfig:
+    load_cost_tokens: float = 256.0  # one request in flight weighs as much as this many tokens to compute
+    skip_prefill_max_missing_blocks: int = 2  # decode alone when it misses at most this many full blocks
+
+    def __post_init__(self) -> None:
+        if self.load_cost_tokens < 0:
+            raise ValueError(f"load_cost_tokens must be >= 0, got {self.load_cost_tokens}")
+        if self.skip_prefill_max_missing_blocks < 0:
+            raise ValueError(f"skip_prefill_max_missing_blocks must be >= 0, got {self.skip_prefill_max_missing_blocks}")
+
+
+@dataclass
+class Candidate:
+    url: str
+    hit_blocks: int  # leading full blocks of the prompt it holds (by its KV events)
+    block_size: int  # tokens per block
+    load: float  # requests in flight (this router's or its own count, whichever is larger)
+    kv_usage: float = 0.0  # 0..1
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_blocks * self.block_size
+
+
+@dataclass
+class RoutePlan:
+    prompt_tokens: int
+    decode_costs: dict[str, float]  # url -> cost (EndpointPool.pick takes the cheapest available)
+    prefill_costs: dict[str, float]
+    decode_url: str | None  # the cheapest decode endpoint now
+    decode_hit_tokens: int  # its cached prefix
+    skip_prefill: bool  # the decode endpoint computes the few missing blocks itself
+
+
+def cost(c: Candidate, prompt_tokens: int, cfg: PrefixPolicyConfig) -> float:
+    missing = max(prompt_tokens - c.hit_tokens, 0)
+    return missing + cfg.load_cost_tokens * (c.load + c.kv_usage)
+
+
+def plan_route(prompt_tokens: int, num_full_blocks: dict[int, int], decode: list[Candidate],
+               prefill: list[Candidate], cfg: PrefixPolicyConfig) -> RoutePlan:
+    """num_full_blocks: block size -> the prompt's full blocks at that size. Ties (equal cost) go to the least
+    loaded; the pool rotates among exact ties."""
+    decode_costs = {c.url: cost(c, prompt_tokens, cfg) for c in decode}
+    prefill_costs = {c.url: cost(c, prompt_tokens, cfg) for c in prefill}
+    best = min(decode, key=lambda c: (decode_costs[c.url], c.load, c.kv_usage), default=None)
+    skip = False
+    if best is not None and best.hit_blocks > 0:
+        missing_blocks = num_full_blocks.get(best.block_size, 0) - best.hit_blocks
+        skip = missing_blocks <= cfg.skip_prefill_max_missing_blocks
+    return RoutePlan(prompt_tokens, decode_costs, prefill_costs, best.url if best else None,
+                     best.hit_tokens if best else 0, skip)

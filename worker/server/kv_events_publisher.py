@@ -1,0 +1,138 @@
+"""The worker's KV-cache event publisher, on vLLM's wire protocol: a ZMQ PUB socket sends multipart
+(topic, 8-byte big-endian sequence number, msgpack EventBatch); a ROUTER socket answers replay requests
+(an 8-byte big-endian start sequence) with every buffered batch from there, each as (topic, seq, payload),
+then (b"", -1 as 8 signed bytes, b""). Sequence numbers start at 0 per process, so a subscriber sees an engine
+restart as the sequence going back and a loss as a gap.
+
+One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from disagg.worker.engine.kv_events import EventBatch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay answer
+_POLL_MS = 100
+
+
+@dataclass
+class KVEventsInfo:
+    """What a subscriber needs (served at the worker's GET /kv_events)."""
+
+    endpoint: str  # the bound PUB address, e.g. tcp://0.0.0.0:5557 (a wildcard host means every interface)
+    replay_endpoint: str | None  # the bound ROUTER address
+    topic: str
+    block_size: int  # tokens per block hash
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """The replay socket's default address: the PUB port + 1 (an ephemeral port stays ephemeral)."""
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not head.startswith("tcp://"):
+        raise ValueError(f"--kv-events-endpoint {endpoint!r}: expected tcp://HOST:PORT")
+    if port in ("*", "0"):
+        return f"{head}:*"
+    try:
+        return f"{head}:{int(port) + 1}"
+    except ValueError:
+        raise ValueError(f"--kv-events-endpoint {endpoint!r}: the port {port!r} is not a number") from None
+
+
+def _bind_address(endpoint: str) -> str:
+    # zmq spells "any port" tcp://host:*; accept :0 as well (as the rest of the CLI does)
+    return endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
+
+
+class ZmqEventPublisher:
+    def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, topic: str = "",
+                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0):
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.bind(_bind_address(endpoint))
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(_bind_address(replay_endpoint))
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"cannot bind the KV events socket ({endpoint}, replay {replay_endpoint}): {e}") \
+                from None
+        self.info = KVEventsInfo(
+            endpoint=self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+            replay_endpoint=self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None,
+            topic=topic, block_size=block_size)
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._queue: queue.SimpleQueue[EventBatch | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)  # (seq, payload) for replay
+        self._next_seq = 0
+        self.published = 0  # batches sent (read by tests and logs)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV events on %s (replay %s)", self.info.endpoint, self.info.replay_endpoint)
+
+    def publish(self, batch: EventBatch) -> None:
+        """Thread-safe; the batch is sent in order by the publisher thread."""
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self._rank
+        self._queue.put(batch)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued, then close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("KV events thread did not stop within %.1fs", timeout)
+            return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._answer_replay()
+            try:
+                batch = self._queue.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            try:
+                self._send(batch)
+            except zmq.ZMQError:  # a full or closing socket: counted as a gap by the subscriber
+                logger.exception("sending a KV event batch failed")
+
+    def _send(self, batch: EventBatch) -> None:
+        seq, payload = self._next_seq, encode_batch(batch)
+        self._next_seq += 1
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self.published += 1
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("ignoring a malformed KV events replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
