@@ -10,11 +10,9 @@ test_operator_*.py; tests/faults/conftest.py belongs to the KV-transfer fault te
 from __future__ import annotations
 
 import contextlib
-import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,12 +25,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
+import serving_fleet
+from serving_fleet import signal_group
+
+from disagg.worker.local.process import LocalProcess, free_port
 
 # the operator tests' emulator and harness (tests/integration/operator) are plain modules there
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "operator"))
 
-CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128",
                 "--served-model-name", "tiny-llama"]
 LEASE_S = 3  # KV a decode never pulled is freed after this
@@ -41,62 +41,17 @@ IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "disagg
 
 
 # ---------------------------------------------------------------- processes
-class Fleet:
-    """Worker and router processes on 127.0.0.1; stop() sends SIGTERM (after SIGCONT) and returns exit codes."""
+class Fleet(serving_fleet.Fleet):
+    """Workers with the shared-storage connector (a short lease) and a router with the test's bounds."""
 
     def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: dict[str, LocalProcess] = {}
+        super().__init__(log_dir, WORKER_FLAGS)
 
-    def worker(self, name: str, role: str, model: str) -> str:
-        port = free_port()
-        argv = [*CLI, "worker", "--role", role, "--model", model, "--port", str(port), *WORKER_FLAGS,
-                "--kv-connector", "SharedStorageConnector", "--kv-lease-seconds", str(LEASE_S),
-                "--kv-shared-storage-path", str(self.log_dir / "kv")]
-        return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
+    def worker(self, name: str, role: str, model: str) -> str:  # type: ignore[override]
+        return super().worker(name, role, model, "SharedStorageConnector", lease_s=LEASE_S)
 
-    def router(self, prefill: list[str], decode: list[str], bounds: list[str]) -> str:
-        port = free_port()
-        argv = [*CLI, "router", "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0.5",
-                "--prefill", *prefill, "--decode", *decode, *bounds]  # a later --probe-interval in bounds wins
-        return self._start(ProcessSpec("router", argv, f"http://127.0.0.1:{port}"))
-
-    def _start(self, spec: ProcessSpec) -> str:
-        proc = LocalProcess(spec, self.log_dir)
-        proc.start()
-        self.procs[spec.name] = proc
-        return spec.url
-
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = {p for p in self.procs.values() if not is_ready(p.spec.url)}
-        while pending:
-            for p in list(pending):
-                assert p.exited() is None, f"{p.spec.name} exited early:\n{p.log_tail(40)}"
-                if is_ready(p.spec.url):
-                    pending.discard(p)
-            assert time.monotonic() < deadline, f"not ready: {[p.spec.name for p in pending]}"
-            time.sleep(0.2)
-
-    def stop(self, timeout_s: float = 30.0) -> dict[str, int]:
-        for p in self.procs.values():
-            signal_group(p, signal.SIGCONT)  # a stopped process would never act on SIGTERM
-            p.terminate()
-        codes = {}
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes[name] = -9
-        return codes
-
-
-def signal_group(proc: LocalProcess, sig: signal.Signals) -> None:
-    """The worker runs in a session of its own (LocalProcess): signal all of it, as a frozen node would be."""
-    if proc.popen is not None and proc.popen.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, sig)
+    def router(self, prefill: list[str], decode: list[str], bounds: list[str]) -> str:  # type: ignore[override]
+        return super().router(prefill, decode, tuple(bounds))  # a later --probe-interval in bounds wins
 
 
 @contextlib.contextmanager

