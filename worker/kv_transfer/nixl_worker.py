@@ -10,7 +10,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec
-from disagg.worker.kv_transfer.nixl_metadata import LoadSpec, NixlConnectorMetadata, NixlSettings, lease_over
+from disagg.worker.kv_transfer.nixl_metadata import (
+    LoadSpec,
+    NixlConnectorMetadata,
+    NixlSettings,
+    lease_over,
+    read_expired,
+)
 from disagg.worker.kv_transfer.nixl_transport import NixlTransport, ReadHandle, TransferFailed, TransferState
 from disagg.worker.kv_transfer.side_channel import SideChannelServer
 
@@ -81,9 +87,20 @@ class NixlConnectorWorker:
         return sending or None, recving or None
 
     def _poll_reads(self) -> None:
+        """Finished, failed and abandoned reads end (a failed or abandoned one's blocks are invalid)."""
         for req_id, (handle, load) in list(self._reads.items()):
             try:
                 state = self.transport.poll(handle)
+                if state is TransferState.DONE and lease_over(load.lease_expires_at, 0.0):
+                    raise TransferFailed("the READ finished after the prefill engine's lease ran out: the "
+                                         "blocks may hold another request's KV", peer_engine_id=load.peer.engine_id,
+                                         local_block_ids=load.local_block_ids,
+                                         remote_block_ids=load.remote_block_ids, notif_msg=b"", cause=None)
+                why = None if state is not TransferState.PROC else read_expired(
+                    handle.posted_at, time.monotonic(), self.settings.read_timeout, load.lease_expires_at,
+                    time.time())
+                if why is not None:
+                    raise self.transport.abandon(handle, why)
             except TransferFailed as e:
                 logger.warning("request %s: %s", req_id, e)
                 self._load_errors.update(load.local_block_ids)
