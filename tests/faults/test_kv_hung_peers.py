@@ -160,3 +160,39 @@ def test_decode_frozen_before_it_reads(pd, record_outcome, wait_idle_all):
                    time.monotonic() - t, LEASE_S)
     wait_idle_all()
     assert counter(warm, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+
+
+# ---- SIGKILL (these remove workers from the module's fleet, so they run last)
+def test_decode_killed_before_it_reads(pd, record_outcome, wait_idle_all):
+    warm, victim = pd["warm"], pd["decode_fail"]
+    prompt = "a prompt handed to a decode engine that dies before it reads anything"
+    params = prefill_hop(warm, prompt)
+    expired = counter(warm, "vllm:nixl_num_kv_expired_reqs_total")
+    victim.kill()
+    pd["fleet"].remove(victim)
+    t = time.monotonic()
+    while counter(warm, "vllm:nixl_num_kv_expired_reqs_total") == expired:
+        assert time.monotonic() - t < LEASE_S + SLACK_S, "the prefill's lease never freed the unread blocks"
+        time.sleep(0.2)
+    record_outcome("decode SIGKILL / before READ (prefill side)", "lease freed blocks, counted expired",
+                   time.monotonic() - t, LEASE_S)
+    wait_idle_all()
+    assert params["remote_block_ids"]
+
+
+@pytest.mark.parametrize("stage", ["during READ", "before handshake"])
+def test_prefill_killed(pd, stage, record_outcome, wait_idle_all):
+    prefill, decode = pd["warm" if stage == "during READ" else "cold"], pd["decode"]
+    prompt = f"a prompt whose prefill engine is killed {stage}, so the decode engine must cope alone"
+    want = reference(pd, prompt)
+    params = prefill_hop(prefill, prompt)
+    prefill.kill()
+    pd["fleet"].remove(prefill)
+    t = time.monotonic()
+    r = decode.post("/v1/completions", decode_body(prompt, params))
+    took = time.monotonic() - t
+    bound = READ_TIMEOUT_S if stage == "during READ" else 2 * HANDSHAKE_TIMEOUT_S
+    assert text_of(r) == want
+    assert took <= bound + SLACK_S
+    record_outcome(f"prefill SIGKILL / {stage}", "200, healthy tokens (recomputed)", took, bound)
+    wait_idle_all()
