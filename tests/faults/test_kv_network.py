@@ -44,7 +44,9 @@ def hosts(netns_pair, fault_fleet, tiny_model_dir):
     decode = fault_fleet.worker("decode", flags(tiny_model_dir, n.addr_b), netns=n.b, env=ucx_env(n.dev_b),
                                 name="decode-ns")
     fault_fleet.wait_ready()
-    return {"net": n, "prefill": prefill, "decode": decode}
+    hosts = {"net": n, "prefill": prefill, "decode": decode}
+    pd_request(hosts, "a first request, so that every case starts with the decode knowing its prefill peer")
+    return hosts
 
 
 def prefill_hop(prefill, prompt: str) -> dict:
@@ -128,6 +130,10 @@ def test_link_cut_mid_read_then_restored(hosts, record_outcome, wait_idle_all):
     wait_idle_all()
 
 
+def _invalidated_after_lease(decode) -> bool:
+    return "finished after the prefill engine's lease ran out" in decode.proc.log_tail(400)
+
+
 def test_loss_and_delay(hosts, record_outcome, wait_idle_all):
     net = hosts["net"]
     prompt = "a lossy, slow link: retransmissions stretch the READ but the blocks arrive whole"
@@ -140,4 +146,46 @@ def test_loss_and_delay(hosts, record_outcome, wait_idle_all):
     assert text == want
     record_outcome("netns netem delay 40ms loss 3% / READ", f"200, healthy tokens ({loaded:.0f} B moved)", took,
                    READ_TIMEOUT_S)
+    wait_idle_all(LEASE_S + 20)
+
+
+@pytest.mark.parametrize("frozen", ["prefill", "decode"])
+def test_peer_frozen_mid_read(hosts, frozen, record_outcome, wait_idle_all):
+    """A throttled READ (~2 s) between hosts. Prefill frozen as the READ is posted (once the prefill has written
+    its answer into the kernel's socket buffer, the bytes drain without it, so a later freeze does not bite at
+    this size): no answer within read_timeout_seconds -> abandoned. Decode frozen half a second into the READ,
+    past the prefill's lease: the READ outlives the lease -> its blocks are invalid whether or not it finished.
+    Either way: recomputed, the healthy tokens."""
+    net, decode = hosts["net"], hosts["decode"]
+    prompt = f"{LONG_PROMPT} frozen {frozen}"
+    want = text_of(decode.post("/v1/completions", body(prompt)))
+    params = prefill_hop(hosts["prefill"], prompt)
+    failed = counter(decode, "vllm:nixl_num_failed_transfers_total")
+    loaded = counter(decode, "disagg:kv_bytes_loaded_total")
+    victim = hosts[frozen]
+    net.qdisc(*THROTTLE)
+    try:
+        if frozen == "prefill":
+            victim.freeze()
+        pending = decode.post_async("/v1/completions", body(prompt, params))
+        t = time.monotonic()
+        if frozen == "decode":
+            time.sleep(0.5)
+            victim.freeze()
+        time.sleep(READ_TIMEOUT_S + 1 if frozen == "prefill" else LEASE_S + 1)
+        victim.thaw()
+        r = pending.result(READ_TIMEOUT_S + LEASE_S + SLACK_S + 30)
+        took = time.monotonic() - t
+    finally:
+        victim.thaw()
+        net.clear_qdisc()
+    assert text_of(r) == want
+    if frozen == "prefill":
+        assert counter(decode, "vllm:nixl_num_failed_transfers_total") == failed + 1, "the READ was not given up"
+    else:  # thawed past the lease: the READ was refused (not started in time) or its blocks were invalidated
+        gave_up = counter(decode, "vllm:nixl_num_failed_transfers_total") > failed
+        refused = counter(decode, "disagg:kv_bytes_loaded_total") == loaded
+        assert gave_up or refused or _invalidated_after_lease(decode), "KV read past the lease was used"
+    bound = READ_TIMEOUT_S if frozen == "prefill" else LEASE_S
+    record_outcome(f"netns {frozen} SIGSTOP / during READ", "200, healthy tokens (recomputed)", took, bound)
     wait_idle_all(LEASE_S + 20)
