@@ -103,8 +103,9 @@ def test_prefill_frozen_before_handshake(pd, record_outcome, wait_idle_all):
     assert counter(cold, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("policy", ["recompute", "fail", "fail-stream"])
 def test_prefill_frozen_during_read_then_next_transfer_works(pd, policy, record_outcome, wait_idle_all):
+    """fail-stream: a streaming request whose KV fails to load gets an error status, not a 200 stream."""
     decode = pd["decode" if policy == "recompute" else "decode_fail"]
     warm = pd["warm"]
     prompt = f"a prompt whose blocks the decode engine is reading when its prefill engine freezes ({policy})"
@@ -113,7 +114,7 @@ def test_prefill_frozen_during_read_then_next_transfer_works(pd, policy, record_
     failed = counter(decode, "vllm:nixl_num_failed_transfers_total")
     warm.freeze()
     t = time.monotonic()
-    r = decode.post("/v1/completions", decode_body(prompt, params))
+    r = decode.post("/v1/completions", {**decode_body(prompt, params), "stream": policy == "fail-stream"})
     took = time.monotonic() - t
     warm.thaw()
     assert READ_TIMEOUT_S * 0.9 <= took <= READ_TIMEOUT_S + SLACK_S, took
