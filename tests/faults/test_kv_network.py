@@ -130,10 +130,6 @@ def test_link_cut_mid_read_then_restored(hosts, record_outcome, wait_idle_all):
     wait_idle_all()
 
 
-def _invalidated_after_lease(decode) -> bool:
-    return "finished after the prefill engine's lease ran out" in decode.proc.log_tail(400)
-
-
 def test_loss_and_delay(hosts, record_outcome, wait_idle_all):
     net = hosts["net"]
     prompt = "a lossy, slow link: retransmissions stretch the READ but the blocks arrive whole"
@@ -185,7 +181,7 @@ def test_peer_frozen_mid_read(hosts, frozen, record_outcome, wait_idle_all):
     else:  # thawed past the lease: the READ was refused (not started in time) or its blocks were invalidated
         gave_up = counter(decode, "vllm:nixl_num_failed_transfers_total") > failed
         refused = counter(decode, "disagg:kv_bytes_loaded_total") == loaded
-        assert gave_up or refused or _invalidated_after_lease(decode), "KV read past the lease was used"
+        assert gave_up or refused, "KV read past the lease was used"
     bound = READ_TIMEOUT_S if frozen == "prefill" else LEASE_S
     record_outcome(f"netns {frozen} SIGSTOP / during READ", "200, healthy tokens (recomputed)", took, bound)
     wait_idle_all(LEASE_S + 20)

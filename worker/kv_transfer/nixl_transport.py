@@ -12,7 +12,7 @@ The connector (nixl.py) decides *which* blocks move and *when*; this module only
 
 The agent runs without NIXL's progress thread (it burns a core even when idle): progress happens
 only inside our calls, so the owner must call get_new_notifs() and the reader poll() regularly.
-Not thread-safe: call every method from one thread (the worker's).
+Not thread-safe: call every method from one thread (the connector's progress thread, nixl_progress.py).
 
 Because the KV tensor is block-major, consecutive block ids are one byte range, and a read is
 posted as one descriptor per run where both the local and the remote ids are consecutive.
@@ -262,6 +262,10 @@ class NixlTransport:
         self.remove_peer(handle.peer_engine_id)
         self._retry_unreleased()
         return error
+
+    def count_failed(self) -> None:
+        """Count a finished READ whose blocks the caller had to discard (e.g. it ended past the sender's lease)."""
+        self._stats.record_failed()
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; also drives progress."""

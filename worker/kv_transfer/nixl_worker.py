@@ -153,6 +153,7 @@ class NixlConnectorWorker:
             try:
                 state = self.transport.poll(handle)
                 if state is TransferState.DONE and lease_over(load.lease_expires_at, 0.0):
+                    self.transport.count_failed()
                     raise TransferFailed("the READ finished after the prefill engine's lease ran out: the "
                                          "blocks may hold another request's KV", peer_engine_id=load.peer.engine_id,
                                          local_block_ids=load.local_block_ids,
