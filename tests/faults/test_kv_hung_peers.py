@@ -105,28 +105,36 @@ def test_prefill_frozen_before_handshake(pd, record_outcome, wait_idle_all):
 
 @pytest.mark.parametrize("policy", ["recompute", "fail", "fail-stream"])
 def test_prefill_frozen_during_read_then_next_transfer_works(pd, policy, record_outcome, wait_idle_all):
-    """fail-stream: a streaming request whose KV fails to load gets an error status, not a 200 stream."""
+    """Two outcomes are right, and which one happens depends on UCX's wire-up state: the READ fails or is
+    abandoned at read_timeout_seconds (no answer) and the policy applies, or - on loopback UCX copies with CMA, which needs
+    nothing from the peer once its endpoint is up - it completes with the frozen prefill's intact blocks (they
+    cannot be reused while it is frozen). Never a READ that just waits, never a 200 without the healthy tokens.
+    fail-stream: a streaming request whose KV fails to load gets an error status, not a 200 stream."""
     decode = pd["decode" if policy == "recompute" else "decode_fail"]
     warm = pd["warm"]
     prompt = f"a prompt whose blocks the decode engine is reading when its prefill engine freezes ({policy})"
     want = reference(pd, prompt)
     params = prefill_hop(warm, prompt)
     failed = counter(decode, "vllm:nixl_num_failed_transfers_total")
+    loaded = counter(decode, "disagg:kv_bytes_loaded_total")
     warm.freeze()
     t = time.monotonic()
     r = decode.post("/v1/completions", {**decode_body(prompt, params), "stream": policy == "fail-stream"})
     took = time.monotonic() - t
     warm.thaw()
-    assert READ_TIMEOUT_S * 0.9 <= took <= READ_TIMEOUT_S + SLACK_S, took
-    if policy == "recompute":
+    assert took <= READ_TIMEOUT_S + SLACK_S, took
+    abandoned = counter(decode, "vllm:nixl_num_failed_transfers_total") == failed + 1
+    if not abandoned:  # the READ completed from the frozen peer's memory: real KV, the healthy tokens
+        assert text_of(r) == want and counter(decode, "disagg:kv_bytes_loaded_total") > loaded
+        outcome = "200, healthy tokens (READ completed, CMA)"
+    elif policy == "recompute":
         assert text_of(r) == want
-        outcome = "200, healthy tokens (recomputed)"
+        outcome = "200, healthy tokens (READ given up, recomputed)"
     else:
         assert r.status_code == 500, r.text
         message = r.json()["error"]["message"]
         assert "loading remote KV" in message and "failed" in message, message
         outcome = f"500: {message[:40]}"
-    assert counter(decode, "vllm:nixl_num_failed_transfers_total") == failed + 1
     record_outcome(f"prefill SIGSTOP / during READ ({policy})", outcome, took, READ_TIMEOUT_S)
     # the abandoned READ leaves no stale agent behind: the next transfer from the same prefill moves KV
     wait_idle_all()
