@@ -35,6 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 from disagg.worker.local.process import free_port, is_ready
 from plots import plot_latency_cdfs
+import pd_interference  # the KV-pull interference case (--interference)
 
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
 WORDS = "the history of the city begins with a small harbour and a market where fishermen sold fish".split()
@@ -185,6 +186,7 @@ def main() -> int:
     p.add_argument("--engine", nargs="+", choices=["disagg", "vllm"], default=["disagg"],
                    help="engines to measure, one after the other (vllm: $DISAGG_VLLM or `vllm` on PATH)")
     p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
+    pd_interference.add_arguments(p)
     args = p.parse_args()
     if "vllm" in args.engine:
         vllm_executable()  # fail before measuring anything
@@ -199,6 +201,8 @@ def main() -> int:
 
         model_dir = str(write_tiny_checkpoint(tmp / "model", hidden_size=256, num_heads=4, num_kv_heads=2,
                                               intermediate_size=512, num_layers=2))
+        if args.interference:
+            return pd_interference.run_interference(args, tmp, model_dir)
         for engine in args.engine:
             proc, url = start_colocated(tmp, engine, model_dir, worker_args)
             try:

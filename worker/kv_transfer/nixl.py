@@ -16,12 +16,19 @@ As in vLLM, NixlConnector is a facade over one of two sides, chosen by role: Nix
 (nixl_scheduler.py: params, handshakes, which blocks move; its network I/O, the handshake, runs in a
 background thread and the scheduler is asked again next step until it is done) and NixlConnectorWorker
 (nixl_worker.py: KV registration, side channel, READs). They share only nixl_metadata.py. NIXL's
-progress thread is off: progress happens when the engine loop calls get_finished() each step (see
-nixl_transport.py). kv_transfer_params are parsed by nixl_params.parse_nixl_params.
+progress thread is off (it burns a core); our own ProgressThread (nixl_progress.py) owns the agent and
+posts and progresses every transfer, so a READ never runs inside an engine step (see nixl_worker.py). kv_transfer_params are parsed by nixl_params.parse_nixl_params.
 
 extra config: side_channel_host (bind; default 127.0.0.1), side_channel_advertise_host (what
 peers dial; default the bind host), side_channel_port (0 = pick a free port), lease_seconds
-(default 30), handshake_timeout_seconds (default 5), lease_margin_seconds (default 1).
+(default 30), handshake_timeout_seconds (default 5; per socket operation, a whole fetch gets twice that),
+lease_margin_seconds (default 1), read_timeout_seconds (default 10). The README's "KV transfer bounds"
+table says what each bounds and what happens when it runs out.
+
+Hung peers: a READ (or notification) not finished read_timeout_seconds after its post, or still
+running when the prefill's lease ends, is abandoned (NixlTransport.abandon: handles released, the
+peer's agent unloaded so nothing lands later and the next handshake loads a fresh one); its blocks
+are reported invalid and the load-failure policy applies.
 
 Leases: prefill frees unread blocks when the lease runs out and may reuse them at once, so a late
 READ would copy another request's KV without any error. kv_transfer_params therefore carry the

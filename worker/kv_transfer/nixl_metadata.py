@@ -10,6 +10,7 @@ from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS  # extra config lease_seconds
 from disagg.worker.kv_transfer.side_channel import EngineMetadata
 
+DEFAULT_READ_TIMEOUT_SECONDS = 10.0  # extra config read_timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class NixlSettings:
     lease_seconds: float  # prefill keeps unread KV this long
     handshake_timeout: float  # seconds for one side-channel fetch
     lease_margin: float  # decode does not start a READ this close to the lease's end
+    read_timeout: float  # decode abandons a READ (or notification) not finished this long after its post
     bind_host: str  # side channel bind address
     port: int  # side channel port
     advertise_host: str  # what peers dial
@@ -37,6 +39,7 @@ class NixlSettings:
             lease_seconds=float(extra.get("lease_seconds", DEFAULT_LEASE_SECONDS)),
             handshake_timeout=float(extra.get("handshake_timeout_seconds", 5)),
             lease_margin=float(extra.get("lease_margin_seconds", 1)),
+            read_timeout=_positive(extra, "read_timeout_seconds", DEFAULT_READ_TIMEOUT_SECONDS),
             bind_host=bind_host,
             port=int(extra["side_channel_port"]),
             advertise_host=socket.gethostbyname(socket.gethostname()) if advertise == "0.0.0.0" else advertise,
@@ -65,6 +68,29 @@ def lease_over(expires: float | None, margin: float) -> bool:
     """True when the sender may already have reused the blocks (`expires`: remote_lease_expires_at, wall clock;
     None: trust the sender)."""
     return expires is not None and time.time() > expires - margin
+
+
+def read_expired(posted_at: float, now: float, timeout: float, lease_expires_at: float | None,
+                 wall_now: float) -> str | None:
+    """Why an unfinished READ must be abandoned now, or None.
+
+    posted_at/now: time.monotonic(); lease_expires_at/wall_now: wall clock (time.time()). nixl exposes no
+    per-transfer progress, so "no progress" is measured from the post: a READ of KV that fits in a lease
+    moves in well under a second on any link the connector supports; one that has not finished after
+    `timeout` is waiting on a peer that stopped answering (hung, partitioned). Past the lease the sender may
+    have reused the blocks, so whatever the READ copies could be another request's KV."""
+    if lease_expires_at is not None and wall_now > lease_expires_at:
+        return "the prefill engine's lease on this KV ran out before the READ finished"
+    if now - posted_at > timeout:
+        return f"no answer from the prefill engine within read_timeout_seconds={timeout:g}"
+    return None
+
+
+def _positive(extra: dict, key: str, default: float) -> float:
+    value = float(extra.get(key, default))
+    if not value > 0:
+        raise ValueError(f"kv_connector_extra_config.{key}={extra.get(key)!r}: expected a number of seconds > 0")
+    return value
 
 
 def _free_port(host: str) -> int:

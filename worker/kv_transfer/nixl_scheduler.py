@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SideChannel = tuple[str, int]  # (host, port) of a prefill engine's side channel
+HANDSHAKE_DEADLINE_FACTOR = 2  # a whole metadata fetch gets this many handshake_timeout_seconds
 
 
 class NixlConnectorScheduler:
@@ -35,7 +36,7 @@ class NixlConnectorScheduler:
         self.failure_policy = kv_load_failure_policy
         self._local_compat = spec_compat_fields(kv_cache_spec)
         self._peers: dict[SideChannel, EngineMetadata] = {}
-        self._handshakes: dict[SideChannel, Future] = {}
+        self._handshakes: dict[SideChannel, tuple[Future, float]] = {}  # -> (fetch, monotonic deadline)
         self._executor: ThreadPoolExecutor | None = None
         self._pending_loads: list[LoadSpec] = []  # for the next step's metadata
         self._new_sends: dict[str, float] = {}  # req_id -> lease deadline, for the next step's metadata
@@ -87,15 +88,21 @@ class NixlConnectorScheduler:
         peer = self._peers.get(key)
         if peer is not None and peer.engine_id == p.remote_engine_id:
             return peer
-        future = self._handshakes.get(key)
+        future, deadline = self._handshakes.get(key, (None, 0.0))
         if future is None:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-handshake")
-            self._handshakes[key] = self._executor.submit(fetch_engine_metadata, *key,
-                                                          self.settings.handshake_timeout)
+            timeout = self.settings.handshake_timeout
+            # the socket timeout bounds each operation (connect, send, read); the deadline bounds them together
+            self._handshakes[key] = (self._executor.submit(fetch_engine_metadata, *key, timeout),
+                                     time.monotonic() + HANDSHAKE_DEADLINE_FACTOR * timeout)
             return None
         if not future.done():
-            return None
+            if time.monotonic() < deadline:
+                return None
+            del self._handshakes[key]  # the fetch thread ends at its next socket timeout
+            return self._remote_unusable(request, f"handshake with the prefill engine at {key[0]}:{key[1]} took "
+                                         f"over {HANDSHAKE_DEADLINE_FACTOR} x handshake_timeout_seconds")
         del self._handshakes[key]
         try:
             peer = future.result()

@@ -12,7 +12,7 @@ The connector (nixl.py) decides *which* blocks move and *when*; this module only
 
 The agent runs without NIXL's progress thread (it burns a core even when idle): progress happens
 only inside our calls, so the owner must call get_new_notifs() and the reader poll() regularly.
-Not thread-safe: call every method from one thread (the worker's).
+Not thread-safe: call every method from one thread (the connector's progress thread, nixl_progress.py).
 
 Because the KV tensor is block-major, consecutive block ids are one byte range, and a read is
 posted as one descriptor per run where both the local and the remote ids are consecutive.
@@ -78,6 +78,7 @@ class ReadHandle:
     control: bool = False  # notify(): carries a message, moves no KV (not counted as a transfer)
     error: TransferFailed | None = None
     post_time_s: float = 0.0
+    posted_at: float = 0.0  # time.monotonic() at post (what read timeouts count from)
     _t_post: float = 0.0  # perf_counter at post
     _nixl: list[Any] = field(default_factory=list)  # xfer + dlist handles, released when finished
 
@@ -224,6 +225,7 @@ class NixlTransport:
             xfer = self._agent.make_prepped_xfer("READ", local, indices, remote, indices, handle.notif_msg)
             handle._nixl.insert(0, xfer)  # released first: a dlist must outlive the xfer made from it
             self._inflight.add(handle)
+            handle.posted_at = time.monotonic()
             handle._t_post = time.perf_counter()
             state = self._agent.transfer(xfer)
         except Exception as e:  # the 12 nixl error classes share no base but Exception
@@ -245,6 +247,26 @@ class NixlTransport:
         self._after_state(handle, state)
         return handle.state
 
+    def abandon(self, handle: ReadHandle, why: str) -> TransferFailed:
+        """Give up on an unfinished READ (the peer stopped answering): its handles are released and the
+        peer's agent is unloaded, which disconnects its endpoint and so cancels whatever UCX still has
+        outstanding on it - nothing can land in the local blocks afterwards, and the next add_peer()
+        loads a fresh agent (a stale one is what makes later transfers fail or hang). Returns the error;
+        the local blocks must be treated as invalid."""
+        if handle.state is not TransferState.PROC:
+            return handle.error or TransferFailed(
+                f"engine {self.engine_id}: abandoning a finished transfer", peer_engine_id=handle.peer_engine_id,
+                local_block_ids=handle.local_block_ids, remote_block_ids=handle.remote_block_ids,
+                notif_msg=handle.notif_msg, cause=None)
+        error = self._fail(handle, None, f"abandoned: {why}")
+        self.remove_peer(handle.peer_engine_id)
+        self._retry_unreleased()
+        return error
+
+    def count_failed(self) -> None:
+        """Count a finished READ whose blocks the caller had to discard (e.g. it ended past the sender's lease)."""
+        self._stats.record_failed()
+
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) received since the last call; also drives progress."""
         notifs = self._agent.get_new_notifs()
@@ -262,9 +284,7 @@ class NixlTransport:
             self._fail(handle, None, "transport closed", count=False)
         for engine_id in list(self._peers):
             self.remove_peer(engine_id)
-        for nixl_handle in self._unreleased:
-            self._release_one(nixl_handle, retry=False)
-        self._unreleased.clear()
+        self._retry_unreleased(final=True)
         if self._reg_descs is not None:
             self._agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
@@ -317,6 +337,11 @@ class NixlTransport:
                 peer.stale = True
             logger.warning("%s", handle.error)
         return handle.error
+
+    def _retry_unreleased(self, final: bool = False) -> None:
+        handles, self._unreleased = self._unreleased, []
+        for nixl_handle in handles:
+            self._release_one(nixl_handle, retry=not final)
 
     def _release_handles(self, handle: ReadHandle) -> None:
         self._inflight.discard(handle)

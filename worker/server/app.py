@@ -117,7 +117,13 @@ async def _generate(state: ServerState, request: Request, kind: Kind) -> Respons
             logger.warning("rejected a request: %s", e.message)
         return error_response(e)
     if job.stream:
-        return StreamingResponse(_stream(state, job), media_type="text/event-stream",
+        # a request that fails before its first token (e.g. its remote KV did not load under policy fail) gets
+        # an error status, not a 200 stream carrying only an error event: wait for the first output first
+        first = await job.sink.get()
+        if first is not None and first.finished and first.outputs[0].finish_reason == "error":
+            _observe(state, first, None)
+            return error_response(APIError(500, first.error or "request failed in the engine", "internal_error"))
+        return StreamingResponse(_stream(state, job, first), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.request_id})
     return await _complete(state, request, job)
 
@@ -237,10 +243,20 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _stream(state: ServerState, job: _Job) -> AsyncIterator[bytes]:
+async def _outputs(state: ServerState, job: _Job, first: Any) -> AsyncIterator[Any]:
+    """The job's outputs, starting with `first` (already taken from its sink; None: the engine stopped)."""
+    if first is None:
+        return
+    yield first
+    if not first.finished:
+        async for out in state.engine_loop.stream(job.sink):
+            yield out
+
+
+async def _stream(state: ServerState, job: _Job, first_out: Any) -> AsyncIterator[bytes]:
     finished, first, last_time = False, True, None
     try:
-        async for out in state.engine_loop.stream(job.sink):
+        async for out in _outputs(state, job, first_out):
             last_time = _observe(state, out, last_time)
             c = out.outputs[0]
             if out.finished:
