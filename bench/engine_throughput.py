@@ -5,13 +5,15 @@ same prompts (token ids), greedy, float32 on CPU, EOS ignored. Every run is its 
 (bench/engine_run.py, with that engine's interpreter); rounds alternate the engines (the order rotates
 each round) so that outside load hits all of them alike. Per case it prints each engine's median tok/s
 (and range), the ratios of ours to the others, start-up medians, and how many requests' greedy tokens
-agree with ours. Cases:
+agree with ours. Besides wall-clock tok/s it gives tokens per CPU-second of the timed generate (the
+process and its children): under outside load wall time measures the neighbours, CPU time much less so
+(spinning OpenMP threads still count). Cases:
   batch32:  32 prompts of 16-255 tokens x 64 new tokens (the headline)
   long:     8 prompts of 1024-2047 tokens x 64 new tokens
   decode64: 64 prompts of 16-127 tokens x 128 new tokens (high-concurrency decode)
 
     python bench/engine_throughput.py [--rounds 5] [--cases batch32,long,decode64]
-        [--vllm-python /path/to/.venv-vllm/bin/python]
+        [--vllm-python /path/to/.venv-vllm/bin/python] [--ours-before /work/main/.venv/bin/python]
 
 vLLM runs only when --vllm-python is given (its CPU build lives in its own venv, see
 shared/notes/vllm-on-cpu.md) with torch.compile (its default) and VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
@@ -63,7 +65,7 @@ def write_case(case: Case, model: str, vocab: int, path: Path) -> None:
 
 def run_once(python: str, engine: str, case_file: Path, extra: list[str], timeout: float) -> dict:
     load = os.getloadavg()[0]
-    cmd = ["nice", "-n", "10", python, str(RUNNER), engine.split("+")[0], str(case_file), *extra]
+    cmd = ["nice", "-n", "10", python, str(RUNNER), engine.split("@")[0], str(case_file), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
     if proc.returncode != 0 or not lines:
@@ -86,17 +88,20 @@ def summarise(case: Case, results: dict[str, list[dict]]) -> None:
     rates = {e: [wanted / r["seconds"] for r in rs] for e, rs in results.items() if rs}
     print(f"\n== {case.name}: {case.batch} prompts of {case.min_prompt}-{case.max_prompt - 1} tokens x "
           f"{case.new_tokens} new tokens ({wanted} generated per run)")
+    per_cpu = {e: [wanted / r["cpu_s"] for r in rs] for e, rs in results.items() if rs}
     for engine, rs in rates.items():
         startup = statistics.median(r["startup_s"] for r in results[engine])
         loads = [r["load_before"] for r in results[engine]]
         print(f"  {engine:14s} median {statistics.median(rs):7.1f} tok/s  (runs: "
-              f"{', '.join(f'{x:.0f}' for x in rs)})  start-up {startup:5.1f} s  load {min(loads):.1f}-{max(loads):.1f}")
+              f"{', '.join(f'{x:.0f}' for x in rs)}) | {statistics.median(per_cpu[engine]):6.1f} tok per CPU-s | "
+              f"start-up {startup:5.1f} s | load {min(loads):.1f}-{max(loads):.1f}")
     ours = [e for e in rates if e.startswith("ours")]
-    for o in ours:
+    for o in ours[:1]:
         for other in rates:
-            if not other.startswith("ours"):
+            if other != o:
                 ratio = statistics.median(rates[o]) / statistics.median(rates[other])
-                print(f"  ratio {o} / {other}: {ratio:.2f}x")
+                cpu_ratio = statistics.median(per_cpu[o]) / statistics.median(per_cpu[other])
+                print(f"  ratio {o} / {other}: {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU-second")
     ref = results[ours[0]][0]["tokens"] if ours else None
     if ref is not None:
         for engine, rs in results.items():
@@ -111,6 +116,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu; vLLM is skipped without it")
+    ap.add_argument("--ours-before", metavar="PYTHON",
+                    help="also run our engine from another checkout's interpreter (e.g. main's venv), as ours@before")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
@@ -128,6 +135,8 @@ def main() -> None:
                           max_position_embeddings=4096)
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
     engines: list[tuple[str, str, list[str]]] = [("ours", sys.executable, [])]
+    if args.ours_before:
+        engines.append(("ours@before", args.ours_before, []))
     if args.vllm_python:
         engines.append(("vllm", args.vllm_python, []))
     if not args.no_transformers:
