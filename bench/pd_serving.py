@@ -126,8 +126,9 @@ def start_pd(tmp: Path, connector: str, engine: str, model_dir: str,
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"disagg up failed:\n{out.read_text()}")
         time.sleep(0.2)
-    decode = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", out.read_text()))["decode-0"]
-    return proc, url, decode
+    workers = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", out.read_text()))
+    STAGE_URLS[url] = {"router": url, "prefill": workers["prefill-0"], "decode": workers["decode-0"]}
+    return proc, url, workers["decode-0"]
 
 
 def start_colocated(tmp: Path, engine: str, model_dir: str, worker_args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -162,13 +163,60 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+# --breakdown: where P/D's TTFT goes, from the router's and the workers' own histograms (means per request)
+STAGE_URLS: dict[str, dict[str, str]] = {}  # router url -> component -> url (filled by start_pd)
+STAGE_HISTOGRAMS = {
+    ("router", "disagg:router_time_to_first_token_seconds", ""): "router_ttft",
+    ("router", "disagg:router_hop_latency_seconds", 'hop="prefill"'): "prefill_hop",
+    ("prefill", "vllm:e2e_request_latency_seconds", ""): "prefill_e2e",
+    ("decode", "vllm:time_to_first_token_seconds", ""): "decode_ttft",
+    ("decode", "vllm:nixl_xfer_time_seconds", ""): "xfer",
+}
+
+
+def histogram_totals(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """stage -> (sum, count) of its histogram now."""
+    texts = {c: httpx.get(f"{u}/metrics", timeout=5).text for c, u in urls.items()}
+    out = {}
+    for (component, name, label), stage in STAGE_HISTOGRAMS.items():
+        total = {"_sum": 0.0, "_count": 0.0}
+        for line in texts[component].splitlines():
+            for suffix in total:
+                if line.startswith(name + suffix + "{") and label in line:
+                    total[suffix] += float(line.rsplit(" ", 1)[1])
+        out[stage] = (total["_sum"], total["_count"])
+    return out
+
+
+def stage_breakdown(before: dict, after: dict, client_ttft_mean: float) -> dict[str, float]:
+    """Mean seconds per request of each stage of a P/D request's TTFT, from two histogram snapshots.
+    prefill compute: the prefill worker's arrival to finish (queue + forward); prefill HTTP: the rest of the
+    router's prefill hop; transfer: the decode worker's NIXL READ; decode admission: the decode worker's
+    arrival to first token minus the READ (queue, scheduler wake-ups, the first step); decode HTTP: the
+    router's decode hop to its first byte minus the decode worker's TTFT (request parsing, tokenizing,
+    streaming back); router + client: what is left of the client's TTFT (the router's own work, the relay)."""
+    mean = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
+    return {
+        "prefill HTTP": mean["prefill_hop"] - mean["prefill_e2e"],
+        "prefill compute": mean["prefill_e2e"],
+        "transfer": mean["xfer"],
+        "decode admission": mean["decode_ttft"] - mean["xfer"],
+        "decode HTTP": mean["router_ttft"] - mean["decode_ttft"],
+        "router + client": client_ttft_mean - mean["prefill_hop"] - mean["router_ttft"],
+    }
+
+
 def measure(url: str, args: argparse.Namespace, decode: str | None) -> dict[float, dict]:
     asyncio.run(run_load(url, 4, 4, args.prompt_words, 4, seed=99))  # warm-up
     out = {}
     for rate in args.rates:
         before = (metric_sum(decode, "vllm:nixl_xfer_time_seconds_sum"),
                   metric_sum(decode, "vllm:nixl_xfer_time_seconds_count")) if decode else (0, 0)
+        stages = STAGE_URLS.get(url) if args.breakdown else None
+        snap = histogram_totals(stages) if stages else None
         out[rate] = asyncio.run(run_load(url, rate, args.num_requests, args.prompt_words, args.max_tokens, seed=1))
+        if stages:
+            out[rate]["stages"] = stage_breakdown(snap, histogram_totals(stages), out[rate]["ttft_mean"])
         if decode:
             xfer_sum = metric_sum(decode, "vllm:nixl_xfer_time_seconds_sum") - before[0]
             xfer_n = metric_sum(decode, "vllm:nixl_xfer_time_seconds_count") - before[1]
@@ -185,6 +233,8 @@ def main() -> int:
     p.add_argument("--connector", default="NixlConnector")
     p.add_argument("--engine", nargs="+", choices=["disagg", "vllm"], default=["disagg"],
                    help="engines to measure, one after the other (vllm: $DISAGG_VLLM or `vllm` on PATH)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="P/D (disagg engine): mean TTFT per stage, from the router's and workers' /metrics")
     p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
     pd_interference.add_arguments(p)
     args = p.parse_args()
@@ -234,6 +284,9 @@ def report(args: argparse.Namespace, results: dict[str, tuple[dict, dict]]) -> N
                 print(f"{engine:>7} {rate:7.1f} {name:>10} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} "
                       f"{ms(r['itl_p50'])} {ms(r['itl_p90'])} {xfer}")
             c, q = colo[rate], pd[rate]
+            if "stages" in q:
+                print(f"{'':>7} {'':>7} {'stages':>10} mean TTFT {ms(q['ttft_mean'])} (colocated {ms(c['ttft_mean'])}): "
+                      + ", ".join(f"{k} {v * 1000:.1f}" for k, v in q["stages"].items()))
             print(f"{engine:>7} {rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x "
                   f"{q['ttft_p90'] / c['ttft_p90']:8.2f}x {q['itl_p50'] / c['itl_p50']:8.2f}x "
                   f"{q['itl_p90'] / c['itl_p90']:8.2f}x")

@@ -113,6 +113,10 @@ class Scheduler:
         """Blocks still held for remote readers or by in-flight loads of aborted requests."""
         return bool(self._delayed_free or self._aborted_recving)
 
+    def has_landed_remote_kv(self) -> bool:
+        """Remote KV arrived for some waiting request: the next step admits it (no reason to wait)."""
+        return bool(self.finished_recving_kv_req_ids)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

@@ -55,6 +55,25 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         return self._onednn(x, w, self.bias, "none", [], "")
 
+    def split_forward(self, x: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """The output in `parts` equal column groups, each from its own GEMM over a row slice of the
+        weight (a view): for many tokens one wide output (T, N) ran slower than the separate narrower
+        ones (cache traffic; 57 vs 70 ms for 4300 x 512 -> 3072 on this CPU), for few it is faster."""
+        n = self.weight.shape[0] // parts
+        outs = []
+        for i in range(parts):
+            w = self.weight[i * n:(i + 1) * n]
+            b = None if self.bias is None else self.bias[i * n:(i + 1) * n]
+            if self._onednn is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+                outs.append(F.linear(x, w, b))
+            else:
+                outs.append(self._onednn(x, w, b, "none", [], ""))
+        return outs
+
+
+# above this many tokens a fused projection runs as its separate GEMMs again (see Linear.split_forward)
+FUSED_GEMM_MAX_TOKENS = 512
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -63,6 +82,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's fused kernel: the same float32 arithmetic in one pass instead of five (results
+            # compared bit-equal on this build; 2-7x faster); other dtypes scale after rounding below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # normalise in float32, scale in the model dtype (as the reference implementation does)
         x32 = x.float()
         inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # (T, 1)
@@ -145,14 +168,27 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, f"model.layers.{layer_idx}.self_attn", self.n_heads,
                                    self.n_kv_heads, self.head_dim)
 
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one qkv_proj over their concatenated weights (after loading: the
+        checkpoint's names stay the load-time parameters). One GEMM instead of three reads the input
+        once, and one rotary pass then covers q and k, which sit side by side in its output."""
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
-        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        nq, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x).view(T, nq + 2 * nkv, hd)  # (T, q heads | k heads | v heads, head_dim)
+            qk = apply_rotary(qkv[:, : nq + nkv], cos, sin)  # (T, nq + nkv, head_dim)
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+        else:
+            q = self.q_proj(x).view(T, nq, hd)  # (T, n_heads, head_dim)
+            k = self.k_proj(x).view(T, nkv, hd)  # (T, n_kv_heads, head_dim)
+            v = self.v_proj(x).view(T, nkv, hd)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v)  # (T, n_heads, head_dim)
-        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, nq * hd))
 
 
 class FeedForward(nn.Module):
@@ -163,10 +199,34 @@ class FeedForward(nn.Module):
         self.up_proj = Linear(d, h, bias=bias)
         self.down_proj = Linear(h, d, bias=bias)
 
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj (after loading), one GEMM instead of two."""
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in place on the fresh projection outputs: no (T, intermediate) temporaries
-        hidden = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))  # (T, intermediate)
+        if hasattr(self, "gate_up_proj"):
+            if x.shape[0] <= FUSED_GEMM_MAX_TOKENS:
+                gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+                h = gate_up.shape[-1] // 2
+                # in place on the fresh projection output: no (T, intermediate) temporaries
+                hidden = F.silu(gate_up[:, :h], inplace=True).mul_(gate_up[:, h:])
+            else:
+                gate, up = self.gate_up_proj.split_forward(x, 2)
+                hidden = F.silu(gate, inplace=True).mul_(up)
+        else:
+            hidden = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))  # (T, intermediate)
         return self.down_proj(hidden)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> Linear:
+    """One Linear whose output is the parts' outputs side by side (weights and biases concatenated)."""
+    w = torch.cat([p.weight for p in parts])
+    fused = Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
 
 
 class TransformerBlock(nn.Module):
@@ -207,6 +267,12 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections (the loader calls it once the weights are in)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

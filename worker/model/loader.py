@@ -63,6 +63,8 @@ def load_model(
         raise ValueError(f"missing tensors in {str(model_dir)!r}: {', '.join(missing[:20])}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if hasattr(model, "fuse_projections"):  # after the checks: the checkpoint's names are the unfused ones
+        model.fuse_projections()
     model.eval()
     logger.info("loaded %s from %s (%s, %s)", config.architecture, model_dir, torch_dtype, device)
     return model, config

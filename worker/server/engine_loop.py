@@ -141,8 +141,11 @@ class EngineLoop:
                     if out.finished:
                         del self._sinks[out.request_id]
             self._update_metrics(engine)
-            if not outputs:
-                time.sleep(IDLE_SLEEP_S)  # waiting on asynchronous KV: let transfers progress
+            if not outputs and not engine.scheduler.has_landed_remote_kv():
+                # waiting on asynchronous KV: let transfers progress. Not when KV has just landed: the
+                # next step admits that request, and a sleep (1 ms asked, often several on a busy
+                # machine) would go straight into its time to first token
+                time.sleep(IDLE_SLEEP_S)
 
     def _take_commands(self, engine: Any) -> None:
         while True:
