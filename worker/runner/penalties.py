@@ -8,16 +8,14 @@ from disagg.worker.engine.sampling_params import SamplingParams
 
 
 def token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(len(lists), vocab) occurrence counts: one scatter_add over the padded token lists."""
-    width = max((len(t) for t in lists), default=0)
-    counts = torch.zeros(len(lists), vocab + 1, device=device)
-    if width:
-        padded = torch.full((len(lists), width), vocab, dtype=torch.long)  # `vocab` = a padding column
-        for i, t in enumerate(lists):
-            if t:
-                padded[i, : len(t)] = torch.tensor(t)
-        counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+    """(len(lists), vocab) occurrence counts: one accumulating index_put over all rows' tokens."""
+    counts = torch.zeros(len(lists), vocab, device=device)
+    rows = [i for i, t in enumerate(lists) for _ in t]
+    if rows:
+        cols = torch.tensor([tok for t in lists for tok in t], device=device)
+        counts.index_put_((torch.tensor(rows, device=device), cols), torch.ones(len(rows), device=device),
+                          accumulate=True)
+    return counts
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -127,14 +127,21 @@ class CompletionRequest(_SamplingFields):
         return p
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]  # images, audio, files: a 400, not silently dropped
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # tool_calls etc.: a 400 naming the field
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
