@@ -49,9 +49,40 @@ def one(tree: str | None, args: argparse.Namespace) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def sampler_only(base: str, batch: int, vocab: int, rounds: int) -> None:
+    """In one process: the baseline's sample() vs this checkout's on plain greedy rows, interleaved call by
+    call (robust to machine load), on (batch, vocab) logits."""
+    import importlib.util
+    import time
+
+    import torch
+
+    from disagg.worker.engine.sampling_params import SamplingParams
+    from disagg.worker.runner.sampler import SamplingBatch, sample_batch
+
+    spec = importlib.util.spec_from_file_location("base_sampler", f"{base}/disagg/worker/runner/sampler.py")
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True) for _ in range(batch)]
+    token_ids = [list(range(200)) for _ in range(batch)]
+    logits = torch.randn(batch, vocab)
+    t_old = t_new = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        old.sample(logits.clone(), params, [None] * batch)
+        t_old += time.perf_counter() - t
+        t = time.perf_counter()
+        sample_batch(logits.clone(), SamplingBatch(params, [None] * batch, token_ids, [100] * batch, [],
+                                                   [str(i) for i in range(batch)]))
+        t_new += time.perf_counter() - t
+    print(f"sampler, {batch} greedy rows x {vocab} vocab, {rounds} calls each: base {t_old / rounds * 1e6:.0f} us | "
+          f"head {t_new / rounds * 1e6:.0f} us per call | head/base time {t_new / t_old:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="directory with the baseline's disagg package tree")
+    ap.add_argument("--sampler-only", action="store_true", help="time only the sampler, in one process")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -59,6 +90,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    if args.sampler_only:
+        sampler_only(args.base, args.batch, 32000, 500)
+        return
     ratios = []
     for r in range(args.rounds):
         base, head = one(args.base, args), one(None, args)

@@ -47,7 +47,9 @@ class RouterState:
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The first hop: compute the prompt, produce one token, keep the KV for the decode worker."""
     # n choices fork on the decode worker from one prefill; logprobs are the decode's to compute
-    p = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    p = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "n" in p:
+        p["n"] = 1
     for name in ("stream_options", "logprobs", "top_logprobs", "echo", "min_tokens"):
         p.pop(name, None)
     if "max_completion_tokens" in p:
