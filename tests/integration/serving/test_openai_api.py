@@ -97,6 +97,10 @@ def test_chat_logprobs_and_top_logprobs_equal_transformers(target, hf_model):
     for e in plain.logprobs.content:  # a token that is part of a character still has its own bytes
         assert e.bytes and (bytes(e.bytes) == e.token.encode() or "\ufffd" in e.token), e
     want = hf_logprobs(hf_model, prompt_ids + ids)[len(prompt_ids) - 1:]
+    streamed = [e for chunk in client.chat.completions.create(
+        **kw, stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     for e, row, token_id in zip(content, want, ids):
         assert e.logprob == pytest.approx(row[token_id].item(), abs=1e-4)
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
