@@ -80,7 +80,8 @@ class EngineCoreOutput:
     error: str | None = None  # with finish_reason "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV, not computed here
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks for logprobs
-    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens 1.. computed this step
+    # (start, entries): logprobs of prompt tokens start+1 .. computed this step
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
 
 
 @dataclass
@@ -89,7 +90,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]  # req_id -> tokens sampled (empty for a partial prefill)
     kv_connector_output: KVConnectorOutput | None = None  # None when there is no connector
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # req_id -> per sampled token
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # req_id -> this step's chunk
+    # req_id -> (start position, this step's chunk of prompt logprobs)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, kv_connector_output: KVConnectorOutput | None = None) -> "ModelRunnerOutput":

@@ -126,6 +126,7 @@ def _collect_logprobs(state: _RequestState, out: EngineCoreOutput) -> None:
     if state.logprobs is not None and out.logprobs:
         state.logprobs.extend(out.logprobs[: len(out.new_token_ids)])
     prompt = state.prompt_logprobs
-    if prompt is not None and out.prompt_logprobs and len(prompt) < state.req.num_prompt_tokens:
-        # a recompute after preemption computes them again: keep the first copy
-        prompt.extend(out.prompt_logprobs[: state.req.num_prompt_tokens - len(prompt)])
+    if prompt is not None and out.prompt_logprobs:
+        start, entries = out.prompt_logprobs
+        if start + 1 == len(prompt):  # the next chunk; a recompute after a preemption sends known ones again
+            prompt.extend(entries)

@@ -24,12 +24,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
 
 def prompt_logprobs_for_step(model: torch.nn.Module, hidden: torch.Tensor, req_ids: list[str],
                              num_scheduled: dict[str, int], query_start_loc: list[int],
-                             requests: dict) -> dict[str, list[TokenLogprobs]]:
-    """For requests that ask for prompt logprobs: the logprobs of prompt tokens start+1 .. end of this step's
-    chunk, from the logits at positions start .. end-1 (one compute_logits call for all of them)."""
+                             requests: dict) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """For requests that ask for prompt logprobs: (start, the logprobs of prompt tokens start+1 .. end of this
+    step's chunk), from the logits at positions start .. end-1 (one compute_logits call for all of them)."""
     rows: list[int] = []
     targets: list[int] = []
-    owners: list[tuple[str, int, int]] = []  # (req_id, first entry, number of entries)
+    owners: list[tuple[str, int, int, int]] = []  # (req_id, start position, first entry, number of entries)
     for k, r in enumerate(req_ids):
         state = requests[r]
         if state.sampling_params.prompt_logprobs is None:
@@ -38,12 +38,12 @@ def prompt_logprobs_for_step(model: torch.nn.Module, hidden: torch.Tensor, req_i
         stop = min(start + num_scheduled[r], state.num_prompt_tokens - 1)
         if stop <= start:
             continue
-        owners.append((r, len(targets), stop - start))
+        owners.append((r, start, len(targets), stop - start))
         rows.extend(query_start_loc[k] + p - start for p in range(start, stop))
         targets.extend(state.token_ids[p + 1] for p in range(start, stop))
     if not rows:
         return {}
     logits = model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
-    num_top = [requests[r].sampling_params.prompt_logprobs for r, _, n in owners for _ in range(n)]
+    num_top = [requests[r].sampling_params.prompt_logprobs for r, _, _, n in owners for _ in range(n)]
     entries = token_logprobs(logits, targets, num_top)
-    return {r: entries[first:first + n] for r, first, n in owners}
+    return {r: (start, entries[first:first + n]) for r, start, first, n in owners}

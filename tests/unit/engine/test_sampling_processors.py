@@ -125,3 +125,25 @@ def test_grammar_matcher_replays_generated_tokens(engine):
     assert allowed and all(a.isdigit() for a in allowed), allowed
     with pytest.raises(ValueError, match="structured output"):
         compiler.compile(StructuredOutputSpec(json={"type": "nonsense"}))
+
+
+def test_prompt_logprobs_over_chunked_prefill_equal_one_shot(engine, tiny_model_dir):
+    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.engine.llm_engine import LLMEngine
+
+    chunked = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64,
+                                     block_size=4, max_num_batched_tokens=5))
+    prompt = list(range(30, 47))  # 17 tokens: four chunks of at most 5
+
+    def prompt_logprobs(e: LLMEngine) -> list:
+        e.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+        last = None
+        while e.has_unfinished_requests():
+            last = next(iter(e.step()), last)
+        return last.prompt_logprobs
+
+    one, many = prompt_logprobs(engine), prompt_logprobs(chunked)
+    assert len(one) == len(many) == len(prompt) and one[0] is None and many[0] is None
+    assert [e.token_id for e in many[1:]] == prompt[1:]
+    for a, b in zip(one[1:], many[1:]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and len(b.top) == 2
