@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from disagg.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from disagg.worker.server.structured_fields import StructuredFields
@@ -133,11 +133,22 @@ class ContentPart(BaseModel):
     text: str
 
 
+# assistant-message fields a client echoes back from an earlier response; empty, they say nothing
+_EMPTY_OK = ("refusal", "annotations", "audio", "function_call", "tool_calls", "reasoning_content")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # tool_calls etc.: a 400 naming the field
+    model_config = ConfigDict(extra="forbid")  # tool_calls etc. with content: a 400 naming the field
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_echoed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in _EMPTY_OK and v in (None, [], ""))}
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}]

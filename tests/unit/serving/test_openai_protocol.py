@@ -89,3 +89,16 @@ def test_parent_request_fans_out_and_in():
     assert parents.resolve("r#c0", finished=False) == ("r", 0, False)
     assert parents.resolve("r#c0", finished=True) == ("r", 0, True)
     assert parents.resolve("other", finished=True) == ("other", 0, True)
+
+
+def test_chat_messages_echoed_back_from_a_response_are_accepted_but_real_tool_calls_are_not():
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "annotations": []}
+    req = ChatCompletionRequest.model_validate({"messages": [echoed, {"role": "user", "content": "more"}]})
+    assert req.messages[0].text() == "hi"
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{**echoed, "tool_calls": [{"id": "x"}]}]})
+    assert "tool_calls" in validation_message(e.value)[0]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert "messages.0.content" in validation_message(e.value)[0]
