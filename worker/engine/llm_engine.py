@@ -21,7 +21,9 @@ from disagg.worker.model import Tokenizer, load_model
 from disagg.worker.runner.model_runner import ModelRunner
 from disagg.worker.engine.outputs import EngineCoreOutput, SchedulerOutput
 from disagg.worker.engine.request_output import CompletionOutput, OutputProcessor, RequestOutput
+from disagg.worker.engine.parent_request import ParentRequests
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0
+        self._parents = ParentRequests()
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         logger.info(
             "engine ready: model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d connector=%s",
             config.model, mc.architecture, dtype_name, self.device, num_blocks, config.block_size,
@@ -155,16 +159,43 @@ class LLMEngine:
                 raise ValueError(f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}")
             if self.scheduler_connector is not None:
                 self.scheduler_connector.validate_kv_transfer_params(token_ids, kv_transfer_params)
+        self._check_sampling(sampling_params, kv_transfer_params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        req = Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params)
-        self.scheduler.add_request(req)
-        self.output_processor.add_request(req, prompt if isinstance(prompt, str) else None)
+        text = prompt if isinstance(prompt, str) else None
+        if sampling_params.n == 1:
+            self._add(Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params), text)
+            return request_id
+        parent = self._parents.add(request_id, sampling_params.n)
+        for i in range(sampling_params.n):
+            req = Request(parent.child_id(i), token_ids, parent.child_params(sampling_params, i), self.eos_token_ids,
+                          kv_transfer_params if i == 0 else None)
+            req.wait_for = parent.child_id(0) if i else None
+            self._add(req, text)
         return request_id
 
+    def _add(self, req: Request, prompt: str | None) -> None:
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(req, prompt)
+
+    def _check_sampling(self, sp: SamplingParams, kv_transfer_params: dict[str, Any] | None) -> None:
+        """What only the engine can check (vocabulary, grammar); compiles the structured output."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias / stop_token_ids: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
+        if sp.n > 1 and kv_transfer_params and kv_transfer_params.get("do_remote_decode"):
+            raise ValueError("n must be 1 on a prefill hop (do_remote_decode): the decode worker forks the choices")
+        sp.eos_token_ids = self.eos_token_ids
+        if sp.structured_output is not None and sp.structured_output.compiled is None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
+            sp.structured_output.compiled = self._grammars.compile(sp.structured_output)
+
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(self._parents.children_of(request_id), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -202,12 +233,14 @@ class LLMEngine:
             ro = self.output_processor.process(out)
             if ro is None:
                 continue
-            if out.new_token_ids and len(ro.outputs[0].token_ids) == len(out.new_token_ids):
-                self.stats.prompt_tokens += len(ro.prompt_token_ids)  # counted at its first token, as vLLM
             if ro.finished and out.finish_reason is None:  # stopped by a stop string
                 req = self.scheduler.requests.get(out.req_id)
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
                 ro.kv_transfer_params = req.kv_transfer_params if req is not None else None
+            ro.request_id, ro.outputs[0].index, ro.finished = self._parents.resolve(out.req_id, ro.finished)
+            if (out.new_token_ids and len(ro.outputs[0].token_ids) == len(out.new_token_ids)
+                    and ro.outputs[0].index == 0):
+                self.stats.prompt_tokens += len(ro.prompt_token_ids)  # counted at its first token, as vLLM
             outputs.append(ro)
         return outputs
 

@@ -27,6 +27,16 @@ class KVConnectorOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """One position's log-probabilities (log-softmax of the model's raw logits)."""
+
+    token_id: int  # the sampled (or, for a prompt position, the given) token
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # the top-k (token id, logprob), best first
+
+
+@dataclass
 class NewRequestData:
     """A request scheduled for the first time (or again after preemption)."""
 
@@ -35,6 +45,7 @@ class NewRequestData:
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit / remote load)
     sampling_params: Any  # SamplingParams
+    num_prompt_tokens: int | None = None  # None: all of prompt_token_ids (else the rest were generated)
 
 
 @dataclass
@@ -68,6 +79,9 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None  # for the decode side (P/D), set on finish
     error: str | None = None  # with finish_reason "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV, not computed here
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks for logprobs
+    # (start, entries): logprobs of prompt tokens start+1 .. computed this step
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
 
 
 @dataclass
@@ -75,6 +89,9 @@ class ModelRunnerOutput:
     req_ids: list[str]  # requests that ran this step, in batch order
     sampled_token_ids: dict[str, list[int]]  # req_id -> tokens sampled (empty for a partial prefill)
     kv_connector_output: KVConnectorOutput | None = None  # None when there is no connector
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # req_id -> per sampled token
+    # req_id -> (start position, this step's chunk of prompt logprobs)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, kv_connector_output: KVConnectorOutput | None = None) -> "ModelRunnerOutput":

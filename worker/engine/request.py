@@ -57,6 +57,9 @@ class Request:
         self.num_preemptions = 0
         self.error: str | None = None  # set with FINISHED_ERROR
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
+        # n > 1: a later choice waits for its first sibling's prompt KV (computed or loaded once), then shares
+        # its full blocks through the prefix cache (ref counts) and computes only the partial last block
+        self.wait_for: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

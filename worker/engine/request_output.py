@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.outputs import EngineCoreOutput
+from disagg.worker.engine.outputs import EngineCoreOutput, TokenLogprobs
 from disagg.worker.model.tokenizer import IncrementalDetokenizer
 
 
@@ -17,6 +17,7 @@ class CompletionOutput:
     token_ids: list[int]  # all generated token ids so far
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks for logprobs
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV
     metrics: RequestMetrics | None = None
+    # with prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _RequestState:
@@ -47,7 +50,11 @@ class _RequestState:
         self.req = req
         self.prompt = prompt
         self.token_ids: list[int] = []
-        self.detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)  # O(1) work per token
+        sp = req.sampling_params
+        # O(1) work per token
+        self.detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, sp.skip_special_tokens)
+        self.logprobs: list[TokenLogprobs] | None = [] if sp.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if sp.prompt_logprobs is not None else None
         self.text = ""  # text released to the client
         self.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.finished = False
@@ -72,6 +79,7 @@ class OutputProcessor:
             state.metrics.last_token_time = now
         state.token_ids.extend(out.new_token_ids)
         sp = state.req.sampling_params
+        _collect_logprobs(state, out)
         for token_id in out.new_token_ids:
             state.detokenizer.add(token_id)
         if out.finish_reason is not None:
@@ -82,7 +90,8 @@ class OutputProcessor:
         for stop in sp.stop:
             at = full.find(stop, max(0, len(state.text) - len(stop)))
             if at != -1:
-                text, finish_reason, stop_reason = full[:at], "stop", stop
+                end = at + len(stop) if sp.include_stop_str_in_output else at
+                text, finish_reason, stop_reason = full[:end], "stop", stop
                 break
         finished = finish_reason is not None
         if not finished:
@@ -100,7 +109,8 @@ class OutputProcessor:
             request_id=out.req_id,
             prompt=state.prompt,
             prompt_token_ids=state.req.prompt_token_ids,
-            outputs=[CompletionOutput(0, state.text, list(state.token_ids), finish_reason, stop_reason)],
+            outputs=[CompletionOutput(0, state.text, list(state.token_ids), finish_reason, stop_reason,
+                                      list(state.logprobs) if state.logprobs is not None else None)],
             finished=finished,
             new_token_ids=list(out.new_token_ids),
             new_text=new_text,
@@ -108,4 +118,15 @@ class OutputProcessor:
             error=out.error,
             num_cached_tokens=out.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
         )
+
+
+def _collect_logprobs(state: _RequestState, out: EngineCoreOutput) -> None:
+    if state.logprobs is not None and out.logprobs:
+        state.logprobs.extend(out.logprobs[: len(out.new_token_ids)])
+    prompt = state.prompt_logprobs
+    if prompt is not None and out.prompt_logprobs:
+        start, entries = out.prompt_logprobs
+        if start + 1 == len(prompt):  # the next chunk; a recompute after a preemption sends known ones again
+            prompt.extend(entries)

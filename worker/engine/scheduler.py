@@ -205,12 +205,16 @@ class Scheduler:
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             if not self._update_waiting_for_remote_kv(req):
                 return _FAILED if req.is_finished() else _NOT_READY
+        if self._waits_for_sibling(req):
+            return _NOT_READY
         fresh = req.request_id not in self.kv.req_to_blocks  # else: remote KV landed in its blocks
+        # prompt logprobs need the logits of every prompt position: compute them all here
+        needs_prompt = req.sampling_params.prompt_logprobs is not None
         if not fresh:
             num_computed = req.num_computed_tokens
         else:
-            computed_blocks, num_local = self.kv.get_computed_blocks(req)
-            if self.connector is not None and req.request_id not in self._skip_external_kv:
+            computed_blocks, num_local = ([], 0) if needs_prompt else self.kv.get_computed_blocks(req)
+            if self.connector is not None and req.request_id not in self._skip_external_kv and not needs_prompt:
                 try:
                     n, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 except KVTransferParamsError as e:
@@ -250,8 +254,19 @@ class Scheduler:
             block_ids=list(self.kv.get_block_ids(req.request_id)),
             num_computed_tokens=num_computed,
             sampling_params=req.sampling_params,
+            num_prompt_tokens=req.num_prompt_tokens,
         )
         return Admission(AdmitOutcome.SCHEDULED, num_new, data)
+
+    def _waits_for_sibling(self, req: Request) -> bool:
+        """A later choice of an n > 1 request waits until the first one has its prompt KV (then sampled)."""
+        if req.wait_for is None:
+            return False
+        sibling = self.requests.get(req.wait_for)
+        if sibling is None or sibling.num_output_tokens > 0:
+            req.wait_for = None
+            return False
+        return True
 
     def _update_waiting_for_remote_kv(self, req: Request) -> bool:
         """True when the request's remote KV has landed (or failed and will be recomputed)."""
@@ -313,8 +328,11 @@ class Scheduler:
                 self.running.remove(req)
                 self._free_request(req)
                 outputs.append(self._finish_output(req, new_token_ids))
-            elif new_token_ids:
+            elif new_token_ids or req_id in runner_output.prompt_logprobs:
                 outputs.append(EngineCoreOutput(req_id, new_token_ids, num_cached_tokens=req.num_cached_tokens or 0))
+            if outputs and outputs[-1].req_id == req_id:
+                outputs[-1].logprobs = runner_output.logprobs.get(req_id)
+                outputs[-1].prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
         if kv_output is not None:
             self._update_from_kv_output(kv_output)
         return outputs

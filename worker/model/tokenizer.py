@@ -41,6 +41,11 @@ class Tokenizer:
         self.eos_token_ids = _eos_token_ids(self, model_dir)
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying `tokenizers` object (for libraries that read the vocabulary, e.g. grammars)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -51,11 +51,21 @@ class RouterState:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The first hop: compute the prompt, produce one token, keep the KV for the decode worker."""
+    # n choices fork on the decode worker from one prefill; logprobs are the decode's to compute
     p = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-    p.pop("stream_options", None)
+    if "n" in p:
+        p["n"] = 1
+    for name in ("stream_options", "logprobs", "top_logprobs", "echo", "min_tokens"):
+        p.pop(name, None)
     if "max_completion_tokens" in p:
         p["max_completion_tokens"] = 1
     return p
+
+
+def needs_prompt_logits(body: dict[str, Any]) -> bool:
+    """Prompt logprobs (vLLM's prompt_logprobs, or echo with logprobs) need the logits of every prompt position,
+    which only the worker that computes the prompt has: such a request goes to a decode worker alone."""
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo") and body.get("logprobs") is not None)
 
 
 def check_max_tokens(body: dict[str, Any]) -> str | None:
@@ -103,6 +113,18 @@ def build_app(state: RouterState) -> FastAPI:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         return error_json(503, "no worker endpoint is ready", "service_unavailable")
 
+    @app.get("/version")
+    async def version() -> Response:
+        return await _forward(state, "GET", "/version", None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _forward(state, "POST", "/tokenize", await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _forward(state, "POST", "/detokenize", await request.body())
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await route(state, request, "/v1/completions")
@@ -112,6 +134,18 @@ def build_app(state: RouterState) -> FastAPI:
         return await route(state, request, "/v1/chat/completions")
 
     return app
+
+
+async def _forward(state: RouterState, method: str, path: str, content: bytes | None) -> Response:
+    """A stateless call (tokenize, version) answered by the first ready worker that answers."""
+    for ep in state.decode.available() + state.prefill.available():
+        try:
+            r = await state.client.request(method, f"{ep.url}{path}", content=content, timeout=10.0,
+                                           headers={"Content-Type": "application/json"})
+        except httpx.HTTPError:
+            continue
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+    return error_json(503, "no worker endpoint is ready", "service_unavailable")
 
 
 async def route(state: RouterState, request: Request, path: str) -> Response:
@@ -135,7 +169,7 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     plan = state.prefix.plan(body, path, state.prefill, state.decode) if state.prefix is not None else None
     if plan is not None and plan.skip_prefill and state.prefill.endpoints:
         state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
-    elif state.prefill.endpoints:
+    elif state.prefill.endpoints and not needs_prompt_logits(body):
         outcome = await _prefill_hop(state, path, body, headers, deadline, plan.prefill_costs if plan else None)
         if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
             state.metrics.request("bad_request")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,8 +15,10 @@ from disagg.worker.runner.forward_context import AttentionMetadata, ForwardConte
 from disagg.worker.kv_transfer.base import KVConnectorBase
 from disagg.worker.kv_transfer.lifecycle import kv_connector_step
 from disagg.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from disagg.worker.runner.sampler import sample
+from disagg.worker.runner.logprobs import prompt_logprobs_for_step
+from disagg.worker.runner.sampler import SamplingBatch, sample_batch
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.structured_output import new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ class CachedRequestState:
     num_computed_tokens: int  # KV in cache before the current step
     sampling_params: SamplingParams
     generator: torch.Generator | None = field(default=None, repr=False)  # its own seed's; None: the engine's
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt (penalties, prompt logprobs)
+    matcher: Any = field(default=None, repr=False)  # structured output's grammar matcher, or None
 
 
 class ModelRunner:
@@ -59,9 +64,12 @@ class ModelRunner:
             gen = None
             if new.sampling_params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            num_prompt = len(new.prompt_token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            # after a preemption the matcher replays the tokens generated before it
+            matcher = new_matcher(new.sampling_params, new.prompt_token_ids[num_prompt:])
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, gen,
+                new.sampling_params, gen, num_prompt, matcher,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -86,17 +94,33 @@ class ModelRunner:
         with kv_connector_step(self.connector, so) as kv_output:
             with set_forward_context(ctx):
                 hidden = self.model(input_ids, positions)
-            sampled: dict[str, list[int]] = {r: [] for r in req_ids}
+            out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={r: [] for r in req_ids},
+                                    kv_connector_output=kv_output)
+            if self._wants_prompt_logprobs:
+                out.prompt_logprobs = prompt_logprobs_for_step(self.model, hidden, req_ids, so.num_scheduled_tokens,
+                                                               attn_metadata.query_start_loc, self.requests)
             if sample_rows:
                 rows = torch.tensor([row for _, row in sample_rows], device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
-                states = [self.requests[r] for r, _ in sample_rows]
-                generators = [s.generator or self.generator for s in states]
-                token_ids = sample(logits, [s.sampling_params for s in states], generators)
-                for state, token_id in zip(states, token_ids):
-                    state.token_ids.append(token_id)
-                    sampled[state.req_id] = [token_id]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output)
+                self._sample(logits, [self.requests[r] for r, _ in sample_rows], out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState], out: ModelRunnerOutput) -> None:
+        batch = SamplingBatch(
+            [s.sampling_params for s in states], [s.generator or self.generator for s in states],
+            [s.token_ids for s in states], [s.num_prompt_tokens for s in states],
+            [s.matcher for s in states] if any(s.matcher is not None for s in states) else [],
+            [s.req_id for s in states])
+        token_ids, logprobs = sample_batch(logits, batch)
+        for state, token_id, lp in zip(states, token_ids, logprobs):
+            state.token_ids.append(token_id)
+            out.sampled_token_ids[state.req_id] = [token_id]
+            if lp is not None:
+                out.logprobs[state.req_id] = [lp]
+
+    @property
+    def _wants_prompt_logprobs(self) -> bool:
+        return any(s.sampling_params.prompt_logprobs is not None for s in self.requests.values())
 
     def _prepare_inputs(
         self, req_ids: list[str], num_scheduled: dict[str, int]

@@ -2,16 +2,15 @@
 health, readiness and Prometheus metrics, over one EngineLoop."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,10 +18,11 @@ from pydantic import ValidationError
 
 from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
+from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, completion_response,
-    error_body, sse, stream_chunk, usage, usage_chunk, validation_message,
+    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, validation_message,
 )
+from disagg.worker.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
             "root": e.config.model, "max_model_len": e.max_model_len,
         }]})
 
+    add_tokenize_routes(app, loop_)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(state, request, "completion")
@@ -121,26 +123,14 @@ async def _generate(state: ServerState, request: Request, kind: Kind) -> Respons
         # an error status, not a 200 stream carrying only an error event: wait for the first output first
         first = await job.sink.get()
         if first is not None and first.finished and first.outputs[0].finish_reason == "error":
-            _observe(state, first, None)
+            observe(state.engine_loop, first, None)
             return error_response(APIError(500, first.error or "request failed in the engine", "internal_error"))
-        return StreamingResponse(_stream(state, job, first), media_type="text/event-stream",
+        return StreamingResponse(stream(state.engine_loop, job, first), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.request_id})
-    return await _complete(state, request, job)
+    return await complete(state.engine_loop, request, job)
 
 
-@dataclass
-class _Job:
-    kind: Kind
-    request_id: str  # the client-visible id (X-Request-Id)
-    engine_id: str
-    response_id: str
-    model: str
-    stream: bool
-    include_usage: bool
-    sink: asyncio.Queue
-
-
-async def _admit(state: ServerState, request: Request, kind: Kind) -> _Job:
+async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
     """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body."""
     loop_ = state.engine_loop
     if state.draining:
@@ -174,8 +164,17 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> _Job:
     except RuntimeError as e:
         raise APIError(503, str(e), "service_unavailable") from None
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    return _Job(kind, request_id, engine_id, f"{prefix}-{request_id}", engine.served_model_name, req.stream,
-                bool(req.stream_options and req.stream_options.include_usage), sink)
+    return Job(kind, request_id, engine_id, f"{prefix}-{request_id}", engine.served_model_name, req.stream,
+               bool(req.stream_options and req.stream_options.include_usage), sink, engine.tokenizer, prompt_ids,
+               n=sp.n, logprobs=sp.logprobs is not None, echo=bool(getattr(req, "echo", False)),
+               prompt_logprobs="prompt_logprobs" in req.model_fields_set,
+               tokens_as_ids=req.return_tokens_as_token_ids, prompt_str=_prompt_str(req))
+
+
+def _prompt_str(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    if isinstance(req, CompletionRequest) and isinstance(req.single_prompt(), str):
+        return req.single_prompt()
+    return None
 
 
 def _prompt_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
@@ -191,89 +190,3 @@ def _prompt_token_ids(engine: Any, req: CompletionRequest | ChatCompletionReques
     if isinstance(prompt, str):
         return tok.encode(prompt)
     return list(prompt)  # the engine checks the ids against the vocabulary
-
-
-def _observe(state: ServerState, out: Any, last_token_time: float | None) -> float | None:
-    """Metrics for one output; returns the new last-token time (monotonic) for inter-token latency."""
-    m, metrics = out.metrics, state.engine_loop.metrics
-    if m is None or metrics is None:
-        return last_token_time
-    if out.new_token_ids and m.last_token_time is not None:
-        if last_token_time is not None:
-            metrics.itl.observe(m.last_token_time - last_token_time)
-        last_token_time = m.last_token_time
-    if out.finished:
-        metrics.observe_finished(m.arrival_time, m.first_token_time, m.finished_time or time.monotonic())
-    return last_token_time
-
-
-async def _complete(state: ServerState, request: Request, job: _Job) -> Response:
-    async def collect() -> Any:
-        last, last_time = None, None
-        async for out in state.engine_loop.stream(job.sink):
-            last, last_time = out, _observe(state, out, last_time)
-        return last
-
-    task = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():  # the client went away
-        task.cancel()
-        state.engine_loop.abort(job.engine_id)
-        logger.info("client disconnected; aborted %s", job.engine_id)
-        return Response(status_code=499)
-    out = task.result()
-    if out is None or not out.finished:
-        return error_response(APIError(500, state.engine_loop.dead or "engine stopped", "internal_error"))
-    c = out.outputs[0]
-    if c.finish_reason == "error":
-        return error_response(APIError(500, out.error or "request failed in the engine", "internal_error"))
-    body = completion_response(job.kind, job.response_id, job.model, c.text, c.finish_reason,
-                               usage(len(out.prompt_token_ids), len(c.token_ids)), out.kv_transfer_params)
-    return JSONResponse(body, headers={"X-Request-Id": job.request_id})
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _outputs(state: ServerState, job: _Job, first: Any) -> AsyncIterator[Any]:
-    """The job's outputs, starting with `first` (already taken from its sink; None: the engine stopped)."""
-    if first is None:
-        return
-    yield first
-    if not first.finished:
-        async for out in state.engine_loop.stream(job.sink):
-            yield out
-
-
-async def _stream(state: ServerState, job: _Job, first_out: Any) -> AsyncIterator[bytes]:
-    finished, first, last_time = False, True, None
-    try:
-        async for out in _outputs(state, job, first_out):
-            last_time = _observe(state, out, last_time)
-            c = out.outputs[0]
-            if out.finished:
-                finished = True
-                if c.finish_reason == "error":
-                    yield sse(error_body(500, out.error or "request failed in the engine", "internal_error"))
-                    break
-            if out.new_text or out.finished or (first and job.kind == "chat"):
-                reason = c.finish_reason if out.finished else None
-                yield sse(stream_chunk(job.kind, job.response_id, job.model, out.new_text, reason, first))
-                first = False
-            if out.finished and job.include_usage:
-                yield sse(usage_chunk(job.kind, job.response_id, job.model,
-                                      usage(len(out.prompt_token_ids), len(c.token_ids))))
-        if not finished:
-            yield sse(error_body(500, state.engine_loop.dead or "engine stopped", "internal_error"))
-        yield sse("[DONE]")
-    finally:
-        if not finished:  # client disconnected (generator closed) or the engine stopped
-            state.engine_loop.abort(job.engine_id)

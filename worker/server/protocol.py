@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from disagg.worker.server.structured_fields import StructuredFields
 from disagg.worker.kv_transfer.connectors import params_check_of
+
+
+MAX_N = 16  # choices per request at most
 
 
 class APIError(Exception):
@@ -36,37 +39,67 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     """(message, param) naming the first bad field."""
     e = err.errors()[0]
     param = ".".join(str(p) for p in e["loc"]) or None
-    return f"{param}: {e['msg']}" if param else e["msg"], param
+    msg = "this field is not supported" if e["type"] == "extra_forbidden" else e["msg"]
+    return f"{param}: {msg}" if param else msg, param
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, n=1, ...)
+class _SamplingFields(StructuredFields):
+    # an unknown or unsupported field is a 400 naming it, never silently ignored (see the README's table)
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None  # None: up to the context length
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    user: str | None = None  # accepted; this server keeps no per-user state
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)  # one choice per request
+    n: int = Field(1, ge=1, le=MAX_N)
     kv_transfer_params: dict[str, Any] | None = None  # P/D hand-off, as in vLLM's NIXL flow
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else max(max_model_len - num_prompt_tokens, 1)
         try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+        try:
+            structured = self.structured_spec()
+        except ValueError as e:
+            param, message = e.args
+            raise APIError(400, message, param=param) from None
+        try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos,
+                min_p=self.min_p, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, n=self.n, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias=bias, logprobs=self.num_logprobs(), prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens, structured_output=structured,
             )
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -75,6 +108,14 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def model_post_init(self, _: Any) -> None:
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self.logprobs  # echo + logprobs: the prompt's too (lm-eval's loglikelihood)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -86,14 +127,32 @@ class CompletionRequest(_SamplingFields):
         return p
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]  # images, audio, files: a 400, not silently dropped
+    text: str
+
+
+# assistant-message fields a client echoes back from an earlier response; empty, they say nothing
+_EMPTY_OK = ("refusal", "annotations", "audio", "function_call", "tool_calls", "reasoning_content")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # tool_calls etc. with content: a 400 naming the field
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_echoed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in _EMPTY_OK and v in (None, [], ""))}
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -101,6 +160,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def model_post_init(self, _: Any) -> None:
         if self.max_completion_tokens is not None:
@@ -128,37 +194,3 @@ def check_kv_transfer_params(params: Any, connector: str | None) -> None:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_response(kind: Literal["completion", "chat"], req_id: str, model: str, text: str,
-                        finish_reason: str | None, usage_: dict[str, int],
-                        kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage_, "kv_transfer_params": kv_transfer_params}
-
-
-def stream_chunk(kind: Literal["completion", "chat"], req_id: str, model: str, text: str | None,
-                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-def usage_chunk(kind: Literal["completion", "chat"], req_id: str, model: str, usage_: dict[str, int]) -> dict:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": req_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage_}
