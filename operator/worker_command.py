@@ -90,10 +90,12 @@ def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> d
 
 
 def vllm_kv_events_config(placement: Placement) -> dict[str, Any]:
-    """vLLM's KVEventsConfig: its ZMQ publisher on the same ports as our workers' events (PUB, replay), bound on
-    the worker's host; the router subscribes at the worker's address (it has no GET /kv_events to ask)."""
+    """vLLM's KVEventsConfig: its ZMQ publisher on the same ports as our workers' events (PUB, replay); the
+    router subscribes at the worker's address (it has no GET /kv_events to ask). vLLM binds the PUB socket only
+    for a wildcard host (any other address it connects to), so the PUB is `tcp://*:PORT` even where the worker's
+    HTTP server binds one address; the replay socket always binds, on the worker's host."""
     pub, replay = placement.kv_events_ports
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{placement.host}:{pub}",
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
             "replay_endpoint": f"tcp://{placement.host}:{replay}", "topic": KV_EVENTS_TOPIC}
 
 

@@ -339,7 +339,7 @@ def test_prefix_aware_with_vllm_workers_turns_on_vllms_kv_events_on_the_fixed_po
         c = worker_container(doc, role)
         argv = [*c["command"], *c["args"]]
         events = json.loads(flag_value(argv, "--kv-events-config"))
-        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://0.0.0.0:5557",
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
                           "replay_endpoint": "tcp://0.0.0.0:5558", "topic": "kv-events"}
         assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
         assert {p["name"]: p["containerPort"] for p in c["ports"]}.items() >= {"kv-events": 5557,
@@ -357,9 +357,12 @@ def test_prefix_aware_with_vllm_workers_turns_on_vllms_kv_events_on_the_fixed_po
     local = [worker_spec(spec, "decode", i, "/m", "127.0.0.1", lambda: next(ports), str(tmp_path), (), "/bin/true")
              for i in range(2)]
     configs = [json.loads(flag_value(w.argv, "--kv-events-config")) for w in local]
-    assert [c["endpoint"] for c in configs] == [w.kv_events["endpoint"] for w in local]
-    assert len({c["endpoint"] for c in configs}) == 2 and all(c["endpoint"].startswith("tcp://127.0.0.1:")
-                                                             for c in configs)
+    # vLLM binds its PUB only at a wildcard; the router connects to the worker's host at the same port
+    assert [c["endpoint"].rsplit(":", 1)[1] for c in configs] == \
+        [w.kv_events["endpoint"].rsplit(":", 1)[1] for w in local]
+    assert all(c["endpoint"].startswith("tcp://*:") and w.kv_events["endpoint"].startswith("tcp://127.0.0.1:")
+               and c["replay_endpoint"] == w.kv_events["replay_endpoint"] for c, w in zip(configs, local))
+    assert len({c["endpoint"] for c in configs}) == 2
     assert all(w.kv_events["topic"] == "kv-events" for w in local)
     # off by default
     assert all("--kv-events-config" not in c["args"] for _, c in pod_containers(vllm_document()))
