@@ -27,7 +27,8 @@ STARTUP_S = 500  # two vLLM processes starting on two busy cores
 wait_for = functools.partial(waiting.wait_for, interval=0.5)
 WORDS = "the engineers measured latency of every request twice and wrote it down in a book".split()
 # two prompts of ~4 blocks (block size 32: the CPU attention takes multiples of 32) that share nothing from their first token on
-PROMPTS = {"a": " ".join(WORDS * 10), "b": " ".join(reversed(WORDS * 10))}
+PROMPTS = {"a": " ".join(WORDS * 10), "b": " ".join(reversed(WORDS * 10)),
+           "chat": [{"role": "system", "content": " ".join(WORDS[3:] * 10)}, {"role": "user", "content": "why"}]}
 
 
 def prefix_spec(model_dir: str) -> dict:
@@ -79,8 +80,13 @@ def router_counter(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
 
 
-def generate_body(prompt: str) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+def post(router: str, prompt: str | list) -> None:
+    """A completion (text) or a chat (messages: tokenized by vLLM's chat template, via its POST /tokenize)."""
+    chat = isinstance(prompt, list)
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            **({"messages": prompt} if chat else {"prompt": prompt})}
+    r = httpx.post(f"{router}/v1/{'chat/' if chat else ''}completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
 
 
 def served(decodes: list[str]) -> dict[str, float]:
@@ -93,8 +99,7 @@ def test_a_repeated_prompt_goes_where_vllm_cached_it(up):
     first_worker = {}
     for name, prompt in PROMPTS.items():
         before, events = served(decodes), router_counter(router, "disagg:router_kv_events_total")
-        r = httpx.post(f"{router}/v1/completions", json=generate_body(prompt), timeout=300)
-        assert r.status_code == 200, r.text
+        post(router, prompt)
         after = served(decodes)
         (first_worker[name],) = [u for u in decodes if after[u] > before[u]]
         # the router indexed what vLLM stored (its events arrive a moment after the answer)
@@ -103,8 +108,7 @@ def test_a_repeated_prompt_goes_where_vllm_cached_it(up):
         before = served(decodes)
         hits = {u: metric_sum(u, "vllm:prefix_cache_hits_total") for u in decodes}
         predicted = router_counter(router, "disagg:router_prefix_hit_tokens_total")
-        r = httpx.post(f"{router}/v1/completions", json=generate_body(prompt), timeout=300)
-        assert r.status_code == 200, r.text
+        post(router, prompt)
         after = served(decodes)
         assert [u for u in decodes if after[u] > before[u]] == [first_worker[name]], (name, first_worker)
         assert metric_sum(first_worker[name], "vllm:prefix_cache_hits_total") > hits[first_worker[name]]
