@@ -113,3 +113,19 @@ def test_events_directory_prefers_the_announced_entry_then_the_fixed_ports():
     assert d.info("http://10.0.0.9:8000") == {"endpoint": "tcp://10.0.0.9:5557",
                                               "replay_endpoint": "tcp://10.0.0.9:5558", "topic": "kv-events"}
     assert EventsDirectory().info("http://10.0.0.9:8000") is None
+
+
+def test_the_endpoints_file_carries_where_each_worker_publishes(tmp_path):
+    """disagg up writes each vLLM worker's event ports next to its URL; the router's file discovery reads them."""
+    from disagg.worker.router.discovery import FileDiscovery, write_endpoints
+
+    path = tmp_path / "endpoints.json"
+    info = {"endpoint": "tcp://127.0.0.1:7001", "replay_endpoint": "tcp://127.0.0.1:7002", "topic": "kv-events"}
+    write_endpoints(path, [], ["http://127.0.0.1:1"], {"http://127.0.0.1:1": info})
+    discovery = FileDiscovery(str(path))
+    prefill, decode = EndpointPool("prefill", "prefix-aware"), EndpointPool("decode", "prefix-aware")
+    assert discovery.poll(prefill, decode) and list(decode.endpoints) == ["http://127.0.0.1:1"]
+    assert discovery.kv_events == {"http://127.0.0.1:1": info}
+    write_endpoints(path, [], ["http://127.0.0.1:1", "http://127.0.0.1:2"])  # no events announced any more
+    discovery.poll(prefill, decode)
+    assert discovery.kv_events == {}
