@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from disagg.operator import spec as s
 from disagg.operator.worker_command import (
-    Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
+    KV_EVENTS_TOPIC, Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
 )
 
 Role = Literal["prefill", "decode"]
@@ -306,7 +306,15 @@ def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
             "--discovery", "kubernetes", "--namespace", owner.namespace,
             "--prefill-selector", label_selector(owner, "prefill"),
             "--decode-selector", label_selector(owner, "decode"), *spec.router.bound_args(),
-            *spec.router.extra_args]
+            *_router_kv_events_args(spec), *spec.router.extra_args]
+
+
+def _router_kv_events_args(spec: s.DisaggregatedInferenceSpec) -> list[str]:
+    """Where the pods publish KV-cache events, for workers that do not say so at GET /kv_events (vLLM)."""
+    if spec.router.policy != "prefix-aware":
+        return []
+    return ["--kv-events-port", str(KV_EVENTS_PORTS[0]), "--kv-events-replay-port", str(KV_EVENTS_PORTS[1]),
+            "--kv-events-topic", KV_EVENTS_TOPIC]
 
 
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:

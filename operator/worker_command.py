@@ -22,6 +22,7 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 EXECUTABLE = "disagg"  # the image's entrypoint; `disagg up` runs the same CLI with its own interpreter
 VLLM_EXECUTABLE = "vllm"  # engine vllm: on the engine image's PATH; `disagg up` takes a configured path
+KV_EVENTS_TOPIC = "kv-events"  # engine vllm: the topic frame of its KV-cache events (the router subscribes to it)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,16 @@ def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> d
             "kv_connector_extra_config": {"kv_lease_duration": kv.lease_seconds}}
 
 
+def vllm_kv_events_config(placement: Placement) -> dict[str, Any]:
+    """vLLM's KVEventsConfig: its ZMQ publisher on the same ports as our workers' events (PUB, replay); the
+    router subscribes at the worker's address (it has no GET /kv_events to ask). vLLM binds the PUB socket only
+    for a wildcard host (any other address it connects to), so the PUB is `tcp://*:PORT` even where the worker's
+    HTTP server binds one address; the replay socket always binds, on the worker's host."""
+    pub, replay = placement.kv_events_ports
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://{placement.host}:{replay}", "topic": KV_EVENTS_TOPIC}
+
+
 def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:
     r: s.RoleSpec = getattr(spec, role)
     argv = [VLLM_EXECUTABLE, "serve", placement.model_dir, "--served-model-name", spec.model.served_name,
@@ -98,6 +109,11 @@ def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Pla
             "--shutdown-timeout", str(max(1, s.request_drain_seconds(spec, role)))]
     if spec.model.max_model_len is not None:
         argv += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.router.policy == "prefix-aware":  # the router routes by the workers' KV-cache events
+        if placement.kv_events_ports is None:
+            raise ValueError("router.policy prefix-aware needs ports for the workers' KV-cache events")
+        argv += ["--enable-prefix-caching",
+                 "--kv-events-config", json.dumps(vllm_kv_events_config(placement), separators=(",", ":"))]
     env = {
         # the address decode workers reach this worker's NIXL side channel at (vLLM binds it too)
         "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.advertise_host,
@@ -139,9 +155,6 @@ def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[s.Problem]:
 
     placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared", (5557, 5558))
     problems = []
-    if spec.engine == "vllm" and spec.router.policy == "prefix-aware":
-        problems.append(s.Problem("spec.router.policy", "prefix-aware needs engine disagg: the router finds a "
-                                  "worker's KV-cache events at its GET /kv_events, which vLLM does not serve"))
     for role in ROLES:
         build = _vllm_command if spec.engine == "vllm" else _disagg_command
         try:

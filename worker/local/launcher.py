@@ -98,15 +98,19 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
     """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's command
     (operator/worker_command.py) with this machine's placement. Engine disagg runs with this interpreter,
     engine vllm with `vllm_executable`."""
-    from disagg.operator.worker_command import Placement, build_worker_command
+    from disagg.operator.worker_command import KV_EVENTS_TOPIC, Placement, build_worker_command
 
     port = port_for()
     events = (port_for(), port_for()) if spec.router.policy == "prefix-aware" else None
     command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir, events))
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
+    # vLLM serves no GET /kv_events: the router learns its ports from the endpoints file (ours serve both)
+    kv_events = None if events is None else {
+        "endpoint": f"tcp://{host}:{events[0]}", "replay_endpoint": f"tcp://{host}:{events[1]}",
+        "topic": KV_EVENTS_TOPIC if spec.engine == "vllm" else ""}
     return ProcessSpec(f"{role}-{index}", [*program, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
-                       role)
+                       role, kv_events)
 
 
 def initial_replicas(spec: Any, role: str) -> int:

@@ -47,6 +47,7 @@ class ProcessSpec:
     url: str  # base URL of its HTTP API
     env: dict[str, str] = field(default_factory=dict)
     role: str = ""  # prefill | decode | router
+    kv_events: dict | None = None  # where it publishes KV-cache events (for the router's endpoints file)
 
 
 

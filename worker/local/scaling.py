@@ -95,7 +95,8 @@ class WorkerSet:
         urls = {role: [p.spec.url for p in self.active(role)] for role in ROLES}
         key = (tuple(urls["prefill"]), tuple(urls["decode"]))
         if key != self._written:
-            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"])
+            events = {p.spec.url: p.spec.kv_events for role in ROLES for p in self.active(role) if p.spec.kv_events}
+            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events)
             self._written = key
 
     # ---------------------------------------------------------------- supervision

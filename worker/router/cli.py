@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x = p.add_argument_group("prefix-aware policy")
     x.add_argument("--tokenizer", metavar="DIR", help="the served model's tokenizer directory (default: fetched "
                    "from a worker's GET /tokenizer)")
+    x.add_argument("--kv-events-port", type=int, help="where workers that serve no GET /kv_events (vLLM) publish "
+                   "KV-cache events: this port at each endpoint URL's host (the endpoints file's \"kv_events\" "
+                   "entries come first)")
+    x.add_argument("--kv-events-replay-port", type=int, help="their replay socket's port")
+    x.add_argument("--kv-events-topic", default="", help="their events' topic frame")
     x.add_argument("--prefix-load-cost-tokens", type=float, default=256.0, help="one request in flight at an "
                    "endpoint weighs as much as this many prompt tokens it would have to compute")
     x.add_argument("--prefix-skip-prefill-blocks", type=int, default=2, help="send to decode alone when the "
@@ -139,10 +144,15 @@ def run(args: argparse.Namespace) -> int:
             if discovery is not None:
                 tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
             if prefix is not None:
+                from disagg.worker.router.kv_subscriber import EventsDirectory
                 from disagg.worker.router.prefix_router import maintain_forever
 
+                announced = (lambda url: discovery.kv_events.get(url)) \
+                    if isinstance(discovery, FileDiscovery) else None
+                directory = EventsDirectory(args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic,
+                                            announced)
                 tasks.append(asyncio.ensure_future(maintain_forever(prefix, [prefill, decode], client,
-                                                                    args.probe_interval)))
+                                                                    args.probe_interval, directory)))
             logger.info("routing: prefill=%s decode=%s policy=%s", list(prefill.endpoints), list(decode.endpoints),
                         args.policy)
             yield

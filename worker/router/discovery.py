@@ -89,11 +89,30 @@ def parse_endpoints(text: str, source: str = "endpoints file") -> dict[str, list
     return out
 
 
-def write_endpoints(path: str | Path, prefill: list[str], decode: list[str]) -> None:
+def parse_kv_events(text: str) -> dict[str, dict]:
+    """The file's optional "kv_events": {url: {"endpoint", "replay_endpoint", "topic"}} - where each worker
+    publishes KV-cache events when it does not say so itself (vLLM has no GET /kv_events). Entries without a
+    string endpoint are left out."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    events = doc.get("kv_events") if isinstance(doc, dict) else None
+    if not isinstance(events, dict):
+        return {}
+    return {url: info for url, info in events.items()
+            if isinstance(info, dict) and isinstance(info.get("endpoint"), str)}
+
+
+def write_endpoints(path: str | Path, prefill: list[str], decode: list[str],
+                    kv_events: dict[str, dict] | None = None) -> None:
     """Replace the file atomically (a reader never sees half of it)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"prefill": prefill, "decode": decode}, indent=1))
+    doc: dict = {"prefill": prefill, "decode": decode}
+    if kv_events:
+        doc["kv_events"] = kv_events
+    tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
 
 
@@ -105,6 +124,7 @@ class FileDiscovery:
     path: str
     interval_s: float = 1.0
     _seen: tuple | None = field(default=None, repr=False)  # (mtime_ns, inode, size) of the last read
+    kv_events: dict[str, dict] = field(default_factory=dict)  # url -> where it publishes KV-cache events
 
     def poll(self, prefill: EndpointPool, decode: EndpointPool) -> bool:
         """Apply the file if it changed since the last poll; True when it did."""
@@ -113,12 +133,14 @@ class FileDiscovery:
             key = (st.st_mtime_ns, st.st_ino, st.st_size)
             if key == self._seen:
                 return False
-            urls = parse_endpoints(Path(self.path).read_text(), self.path)
+            text = Path(self.path).read_text()
+            urls = parse_endpoints(text, self.path)
         except (OSError, ValueError) as e:
             logger.warning("endpoints file: %s; keeping %d prefill, %d decode endpoints", e,
                            len(prefill.endpoints), len(decode.endpoints))
             return False
         self._seen = key
+        self.kv_events = parse_kv_events(text)
         if set(urls["prefill"]) != set(prefill.endpoints) or set(urls["decode"]) != set(decode.endpoints):
             logger.info("endpoints file: prefill=%s decode=%s", urls["prefill"], urls["decode"])
         prefill.set_urls(urls["prefill"])

@@ -4,6 +4,16 @@ Per endpoint: the set of block hashes it announced (BlockStored minus BlockRemov
 applied. A sequence that goes back (the worker restarted) or an AllBlocksCleared empties the endpoint's set; a gap
 (events lost and not replayed) empties it too, since what was lost may have removed blocks - a stale entry would
 predict a hit that is not there (that costs only a recompute, but a cleared entry costs nothing).
+
+Hashes: the router matches a prompt by OUR chain hashes (block_pool.hash_block_tokens over token ids). vLLM's
+events carry vLLM's own hashes (seeded, over pickled keys, maybe 64-bit ints), so each endpoint keeps a table
+announced hash -> our hash, computed from the parent's translated hash and the block's token ids, which every
+BlockStored carries. BlockRemoved maps through the table. For our own workers the translation is the identity
+(their hashes are ours; checked in the tests). A block whose parent is unknown (evicted, or announced before we
+joined) is left out: a prefix match would stop at its parent anyway. Blocks hashed with extra keys (LoRA,
+multimodal, cache salt) or of another KV-cache group are left out too: a plain prompt never hits them. An
+endpoint's block size is fixed by its first BlockStored; events of another size (vLLM's partial-block entries)
+are skipped, since the router hashes a prompt at one block size per endpoint.
 """
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from disagg.worker.engine.block_pool import hash_block_tokens
 from disagg.worker.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
@@ -23,9 +34,15 @@ class Applied(enum.Enum):
 
 @dataclass
 class EndpointBlocks:
-    blocks: set[bytes | int] = field(default_factory=set)  # block hashes the worker holds
+    blocks: set[bytes] = field(default_factory=set)  # our hashes of the blocks the worker holds
+    ours: dict[bytes | int, bytes] = field(default_factory=dict)  # its announced hash -> our hash
     last_seq: int | None = None  # None: nothing applied yet
-    block_size: int | None = None  # from its BlockStored events
+    block_size: int | None = None  # from its first BlockStored
+    skipped: int = 0  # blocks announced that could not be translated (unknown parent, other size, extra keys)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.ours.clear()
 
 
 @dataclass
@@ -43,10 +60,10 @@ class KVIndex:
             return Applied.DUPLICATE, 0
         if seq < expected:
             outcome = Applied.RESET
-            entry.blocks.clear()
+            entry.clear()
         elif seq > expected:  # a first batch past 0 is a late join (the replay buffer had wrapped): not a loss
             outcome, lost = Applied.GAP, seq - expected if entry.last_seq is not None else 0
-            entry.blocks.clear()
+            entry.clear()
         entry.last_seq = seq
         for event in events:
             _apply_event(entry, event)
@@ -79,9 +96,36 @@ class KVIndex:
 
 def _apply_event(entry: EndpointBlocks, event: KVCacheEvent) -> None:
     if isinstance(event, BlockStored):
-        entry.blocks.update(event.block_hashes)
-        entry.block_size = event.block_size
+        _store(entry, event)
     elif isinstance(event, BlockRemoved):
-        entry.blocks.difference_update(event.block_hashes)
+        if event.group_idx not in (None, 0):
+            return
+        for h in event.block_hashes:
+            ours = entry.ours.pop(h, None)
+            if ours is not None:
+                entry.blocks.discard(ours)
     elif isinstance(event, AllBlocksCleared):
-        entry.blocks.clear()
+        entry.clear()
+
+
+def _store(entry: EndpointBlocks, event: BlockStored) -> None:
+    n, bs = len(event.block_hashes), event.block_size
+    if entry.block_size is None and bs > 0:
+        entry.block_size = bs
+    plain = event.lora_name is None and event.lora_id is None and event.group_idx in (None, 0)
+    if not plain or bs != entry.block_size or len(event.token_ids) != n * bs:
+        entry.skipped += n
+        return
+    if event.parent_block_hash is None:
+        parent = None
+    elif (parent := entry.ours.get(event.parent_block_hash)) is None:
+        entry.skipped += n  # its parent is not held (or not known): no prefix reaches these blocks
+        return
+    extra = event.extra_keys or [None] * n
+    for i, h in enumerate(event.block_hashes):
+        if i < len(extra) and extra[i] is not None:
+            entry.skipped += n - i  # hashed with more than token ids: neither it nor its children match
+            return
+        parent = hash_block_tokens(parent, event.token_ids[i * bs:(i + 1) * bs])
+        entry.ours[h] = parent
+        entry.blocks.add(parent)

@@ -1,6 +1,9 @@
 """Subscriptions to the workers' KV-cache events (ZMQ SUB, vLLM's wire format), feeding the router's KVIndex.
 
-Every ready endpoint of either pool that serves GET /kv_events gets one subscriber task; an endpoint that turns
+Every ready endpoint of either pool that publishes events gets one subscriber task: where it publishes comes from
+its GET /kv_events (our workers), else from what the router was told (EventsDirectory: the endpoints file of
+`disagg up`, or the fixed ports of the operator's pods at the endpoint URL's host - vLLM serves no /kv_events).
+An endpoint that turns
 unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker starts over empty). On a
 gap in the sequence the subscriber asks the worker's replay socket for what it missed before applying more.
 """
@@ -8,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 import httpx
@@ -34,6 +38,26 @@ def subscriber_address(worker_url: str, bound: str) -> str:
     if host in ("0.0.0.0", "*", "::", ""):
         host = urlparse(worker_url).hostname or "127.0.0.1"
     return f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class EventsDirectory:
+    """Where endpoints that serve no GET /kv_events publish: `announced(url)` (the endpoints file's entry), else
+    the fixed `port`/`replay_port` at the URL's host (the operator's pods). Neither: no events."""
+    port: int | None = None
+    replay_port: int | None = None
+    topic: str = ""
+    announced: Callable[[str], dict[str, Any] | None] | None = None
+
+    def info(self, url: str) -> dict[str, Any] | None:
+        if self.announced is not None and (info := self.announced(url)) is not None:
+            return info
+        if self.port is None:
+            return None
+        host = urlparse(url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        replay = f"tcp://{host}:{self.replay_port}" if self.replay_port else None
+        return {"endpoint": f"tcp://{host}:{self.port}", "replay_endpoint": replay, "topic": self.topic}
 
 
 class EndpointSubscriber:
@@ -120,8 +144,10 @@ class EndpointSubscriber:
 class KVEventSubscriptions:
     """Keeps one EndpointSubscriber per ready endpoint that publishes events."""
 
-    def __init__(self, index: KVIndex, metrics: RouterMetrics, clock: Any = None):
+    def __init__(self, index: KVIndex, metrics: RouterMetrics, clock: Any = None,
+                 directory: EventsDirectory | None = None):
         self.index, self.metrics = index, metrics
+        self.directory = directory or EventsDirectory()
         self.ctx = zmq.asyncio.Context()
         self.tasks: dict[str, asyncio.Task] = {}  # url -> subscriber task
         self._no_events: dict[str, float] = {}  # url -> when it said it publishes none
@@ -140,7 +166,7 @@ class KVEventSubscriptions:
         for url in sorted(ready - set(self.tasks)):
             if now - self._no_events.get(url, -NO_EVENTS_RETRY_S) < NO_EVENTS_RETRY_S:
                 continue
-            info = await _events_info(client, url)
+            info = await _events_info(client, url) or self.directory.info(url)
             if info is None:
                 self._no_events[url] = now
                 continue

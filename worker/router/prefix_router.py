@@ -1,7 +1,10 @@
 """The prefix-aware policy's adapter: tokenizes a request as the worker will, hashes its blocks as the engine
 does (block_pool.hash_request_blocks), reads each endpoint's cached prefix from the KVIndex and load from the
 pools, and asks prefix_policy.plan_route. The tokenizer is the served model's: a local directory
-(`--tokenizer`) or the files a worker serves at GET /tokenizer."""
+(`--tokenizer`) or the files a worker serves at GET /tokenizer. vLLM workers serve neither: there the prompt's
+token ids come from a worker's POST /tokenize for each request (vLLM's own chat template and special tokens,
+so the ids are exactly the ones it will cache; one loopback round trip, bounded, and on any failure the request
+is routed by load alone)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +20,7 @@ from disagg.worker.engine.block_pool import hash_request_blocks
 from disagg.worker.model.tokenizer import Tokenizer
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.kv_index import KVIndex
-from disagg.worker.router.kv_subscriber import KVEventSubscriptions
+from disagg.worker.router.kv_subscriber import EventsDirectory, KVEventSubscriptions
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.prefix_policy import Candidate, PrefixPolicyConfig, RoutePlan, plan_route
 from disagg.worker.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,6 +28,28 @@ from disagg.worker.server.protocol import ChatCompletionRequest, CompletionReque
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # the workers' default, for endpoints that have not announced a block yet
+TOKENIZE_TIMEOUT_S = 2.0  # a worker's POST /tokenize; past it the request goes by load alone
+# the chat request's fields vLLM's chat template rendering reads (its TokenizeChatRequest takes the same)
+CHAT_TOKENIZE_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs", "tools")
+
+
+def tokenize_body(body: dict[str, Any], path: str) -> dict[str, Any] | list[int] | None:
+    """vLLM's POST /tokenize body that yields the prompt's token ids as its /v1 endpoint computes them; a
+    prompt already given as token ids is returned as they are; None for what cannot be told (a batch)."""
+    if path.endswith("/chat/completions"):
+        if not isinstance(body.get("messages"), list):
+            return None
+        return {k: body[k] for k in CHAT_TOKENIZE_FIELDS if k in body}
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if not isinstance(prompt, str):
+        return None
+    out = {"prompt": prompt, **{k: body[k] for k in ("model", "add_special_tokens") if k in body}}
+    return out
 
 
 class PrefixRouter:
@@ -32,6 +57,7 @@ class PrefixRouter:
         self.config = config
         self.metrics = metrics
         self.tokenizer = tokenizer  # None until learned from a worker
+        self.tokenize_remotely = False  # the workers are vLLM: ask one's POST /tokenize per request
         self.index = KVIndex()
 
     def prompt_token_ids(self, body: dict[str, Any], path: str) -> list[int] | None:
@@ -53,8 +79,19 @@ class PrefixRouter:
             return None
         return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
+    async def plan_request(self, body: dict[str, Any], path: str, prefill: EndpointPool, decode: EndpointPool,
+                           client: httpx.AsyncClient) -> RoutePlan | None:
+        """The plan for one request, tokenized locally or by a worker (vLLM); None: route by load."""
+        if self.tokenizer is None and self.tokenize_remotely:
+            workers = sorted([*decode.available(), *prefill.available()], key=lambda e: e.load())
+            return self.plan_ids(await remote_token_ids(client, [e.url for e in workers], body, path),
+                                 prefill, decode)
+        return self.plan(body, path, prefill, decode)
+
     def plan(self, body: dict[str, Any], path: str, prefill: EndpointPool, decode: EndpointPool) -> RoutePlan | None:
-        ids = self.prompt_token_ids(body, path)
+        return self.plan_ids(self.prompt_token_ids(body, path), prefill, decode)
+
+    def plan_ids(self, ids: list[int] | None, prefill: EndpointPool, decode: EndpointPool) -> RoutePlan | None:
         if not ids:
             return None
         hashes: dict[int, list[bytes]] = {}  # block size -> the prompt's chain hashes, as the engine may hit
@@ -102,16 +139,57 @@ async def fetch_tokenizer(client: httpx.AsyncClient, url: str) -> Tokenizer | No
     return tok
 
 
+async def remote_token_ids(client: httpx.AsyncClient, urls: list[str], body: dict[str, Any],
+                           path: str, tries: int = 2) -> list[int] | None:
+    """The prompt's token ids from the first of `urls` whose POST /tokenize answers (vLLM's shape:
+    {"tokens": [...]}); None when none does or the request is not one to tell (the worker answers it)."""
+    req = tokenize_body(body, path)
+    if req is None or isinstance(req, list):
+        return req
+    for url in urls[:tries]:
+        try:
+            r = await client.post(f"{url}/tokenize", json=req, timeout=TOKENIZE_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            logger.debug("tokenize at %s failed: %s", url, e)
+            continue
+        if r.status_code >= 500:
+            continue
+        if r.status_code != 200:
+            return None  # the request itself is bad: the worker will say so
+        try:
+            tokens = r.json().get("tokens")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            return tokens
+    return None
+
+
+async def serves_tokenize(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether the worker tokenizes at POST /tokenize (vLLM does; ours serves GET /tokenizer instead)."""
+    try:
+        r = await client.post(f"{url}/tokenize", json={"prompt": "a"}, timeout=10.0)
+        return r.status_code == 200 and isinstance(r.json().get("tokens"), list)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
 async def maintain_forever(prefix: PrefixRouter, pools: list[EndpointPool], client: httpx.AsyncClient,
-                           interval_s: float) -> None:
-    """Learn the tokenizer (once) and keep the event subscriptions in step with the pools' ready endpoints."""
-    subscriptions = KVEventSubscriptions(prefix.index, prefix.metrics)
+                           interval_s: float, directory: EventsDirectory | None = None) -> None:
+    """Learn the tokenizer (once: its files, else a worker that tokenizes per request) and keep the event
+    subscriptions in step with the pools' ready endpoints."""
+    subscriptions = KVEventSubscriptions(prefix.index, prefix.metrics, directory=directory)
     try:
         while True:
-            if prefix.tokenizer is None:
+            if prefix.tokenizer is None and not prefix.tokenize_remotely:
                 for ep in [e for pool in pools for e in pool.available()]:
                     if (tok := await fetch_tokenizer(client, ep.url)) is not None:
                         prefix.tokenizer = tok
+                        break
+                    if await serves_tokenize(client, ep.url):
+                        logger.info("prefix-aware routing: prompts tokenized by the workers' POST /tokenize "
+                                    "(first: %s)", ep.url)
+                        prefix.tokenize_remotely = True
                         break
             await subscriptions.sync_once(pools, client)
             await asyncio.sleep(interval_s)

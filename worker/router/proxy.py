@@ -166,7 +166,8 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     deadline = Deadline(state.timeouts)
     kv_params: dict[str, Any] | None = None
     revision: set[str | None] | None = None
-    plan = state.prefix.plan(body, path, state.prefill, state.decode) if state.prefix is not None else None
+    plan = await state.prefix.plan_request(body, path, state.prefill, state.decode, state.client) \
+        if state.prefix is not None else None
     if plan is not None and plan.skip_prefill and state.prefill.endpoints:
         state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
     elif state.prefill.endpoints and not needs_prompt_logits(body):

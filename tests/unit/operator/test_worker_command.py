@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import itertools
 import re
 from pathlib import Path
@@ -329,6 +330,39 @@ def test_prefix_aware_turns_on_the_workers_kv_events_and_exposes_their_ports(tmp
     assert all("--kv-events-endpoint" not in c["args"] for _, c in pod_containers(plain))
 
 
-def test_prefix_aware_with_vllm_workers_is_rejected_by_name():
+def test_prefix_aware_with_vllm_workers_turns_on_vllms_kv_events_on_the_fixed_ports(tmp_path):
+    from disagg.worker.local.launcher import worker_spec
+
     doc = vllm_document(router={"policy": "prefix-aware"})
-    assert [p.path for p in validate.validate_document(doc)] == ["spec.router.policy"]
+    assert validate.validate_document(doc) == []
+    for role in ("prefill", "decode"):
+        c = worker_container(doc, role)
+        argv = [*c["command"], *c["args"]]
+        events = json.loads(flag_value(argv, "--kv-events-config"))
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                          "replay_endpoint": "tcp://0.0.0.0:5558", "topic": "kv-events"}
+        assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}.items() >= {"kv-events": 5557,
+                                                                              "kv-events-replay": 5558}.items()
+    # vLLM has no GET /kv_events: the router is told the ports (and the topic) instead
+    router = next(c for n, c in pod_containers(doc) if n == "llama-router")
+    assert (flag_value(router["args"], "--kv-events-port"), flag_value(router["args"], "--kv-events-replay-port"),
+            flag_value(router["args"], "--kv-events-topic")) == ("5557", "5558", "kv-events")
+    # a user cannot turn prefix caching off under a prefix-aware router
+    off = vllm_document(router={"policy": "prefix-aware"}, engineArgs=["--enable-prefix-caching"])
+    assert "spec.engineArgs" in [p.path for p in validate.validate_document(off)]
+    # disagg up: loopback, fresh ports per worker, announced for the router's endpoints file
+    ports = iter(range(20000, 20100))
+    spec = s.parse_spec(doc["spec"])
+    local = [worker_spec(spec, "decode", i, "/m", "127.0.0.1", lambda: next(ports), str(tmp_path), (), "/bin/true")
+             for i in range(2)]
+    configs = [json.loads(flag_value(w.argv, "--kv-events-config")) for w in local]
+    # vLLM binds its PUB only at a wildcard; the router connects to the worker's host at the same port
+    assert [c["endpoint"].rsplit(":", 1)[1] for c in configs] == \
+        [w.kv_events["endpoint"].rsplit(":", 1)[1] for w in local]
+    assert all(c["endpoint"].startswith("tcp://*:") and w.kv_events["endpoint"].startswith("tcp://127.0.0.1:")
+               and c["replay_endpoint"] == w.kv_events["replay_endpoint"] for c, w in zip(configs, local))
+    assert len({c["endpoint"] for c in configs}) == 2
+    assert all(w.kv_events["topic"] == "kv-events" for w in local)
+    # off by default
+    assert all("--kv-events-config" not in c["args"] for _, c in pod_containers(vllm_document()))

@@ -12,6 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from disagg.worker.engine.block_pool import hash_block_tokens
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.kv_events import EventBatch, KVEventCollector
 from disagg.worker.engine.request import Request
@@ -188,11 +189,12 @@ def test_router_subscriber_catches_up_by_replay_and_sees_a_restart():
             pub = ZmqEventPublisher(*endpoints, BS)  # a restarted worker: sequence starts at 0 again
             await asyncio.sleep(0.5)
             restarted = KVEventCollector(BS)
-            restarted.stored(b"another block", None, range(4))
+            another = hash_block_tokens(None, range(90, 94))  # the index holds our hash of the block's tokens
+            restarted.stored(another, None, range(90, 94))
             pub.publish(restarted.take())
             await _wait(lambda: index.last_seq("http://127.0.0.1:1") == 0)
             assert index.prefix_blocks("http://127.0.0.1:1", stored_hashes) == 0, "blocks of before the restart"
-            assert index.prefix_blocks("http://127.0.0.1:1", [b"another block"]) == 1
+            assert index.prefix_blocks("http://127.0.0.1:1", [another]) == 1
             assert counter(metrics, "disagg:router_kv_events_total") >= 5
             assert counter(metrics, "disagg:router_kv_events_lost_total") == 0
         finally:

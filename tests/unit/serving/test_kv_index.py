@@ -111,3 +111,74 @@ def test_pool_takes_the_cheapest_available_endpoint_and_skips_excluded_ones():
 def test_bad_policy_config_is_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         PrefixPolicyConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- vLLM's hashes translated to ours
+V = [0x9E3779B97F4A7C15 + i for i in range(5)]  # vLLM's own (64-bit int) hashes of TOKENS' blocks: not ours
+
+
+def v_stored(*idx: int, block_size: int = BS, tokens: list[int] | None = None, parent: int | None = -1,
+             **extra) -> BlockStored:
+    first = idx[0]
+    return BlockStored(block_hashes=[V[i] for i in idx],
+                       parent_block_hash=(V[first - 1] if first else None) if parent == -1 else parent,
+                       token_ids=TOKENS[first * BS:(idx[-1] + 1) * BS] if tokens is None else tokens,
+                       block_size=block_size, **{"lora_id": None, "medium": "GPU", "lora_name": None, **extra})
+
+
+def v_removed(*idx: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[V[i] for i in idx], medium="GPU", group_idx=0)
+
+
+# (vLLM-shaped events in order, expected prefix blocks of TOKENS by OUR hashes, expected translation size)
+TRANSLATION = {
+    "one chain": ([v_stored(0, 1, 2)], 3, 3),
+    "a chain over two events, through the parent": ([v_stored(0, 1), v_stored(2, 3, 4)], 5, 5),
+    "unknown parent: left out": ([v_stored(2, 3)], 0, 0),
+    "unknown parent, then the head: prefix stops at the head": ([v_stored(2, 3), v_stored(0, 1)], 2, 2),
+    "removal maps through the table": ([v_stored(0, 1, 2, 3), v_removed(1)], 1, 3),
+    "removal of an unknown hash is ignored": ([v_stored(0, 1), BlockRemoved(block_hashes=[7], medium="GPU")], 2, 2),
+    "a removed parent's children are not stored again": ([v_stored(0, 1), v_removed(1), v_stored(2)], 1, 1),
+    "all cleared empties the table": ([v_stored(0, 1, 2), AllBlocksCleared()], 0, 0),
+    "cleared, then stored again": ([v_stored(0, 1, 2), AllBlocksCleared(), v_stored(0)], 1, 1),
+    "cached blocks announced again (vLLM re-emits a hit from block 0)": ([v_stored(0, 1), v_stored(0, 1, 2)], 3, 3),
+    "another block size than the endpoint's: skipped": ([v_stored(0, 1), v_stored(2, block_size=2,
+                                                                                 tokens=TOKENS[8:10])], 2, 2),
+    "tokens that do not fill the blocks: skipped": ([v_stored(0, 1, tokens=TOKENS[:7])], 0, 0),
+    "extra keys (cache salt, multimodal) from a block on: left out": (
+        [v_stored(0, 1, 2, extra_keys=[None, ("salt",), None])], 1, 1),
+    "a LoRA's blocks: left out": ([v_stored(0, 1, lora_name="adapter")], 0, 0),
+    "another KV-cache group's blocks: left out": ([v_stored(0, 1, group_idx=1)], 0, 0),
+}
+
+
+@pytest.mark.parametrize("events, prefix, table", TRANSLATION.values(), ids=TRANSLATION.keys())
+def test_vllm_hashes_are_translated_to_ours(events, prefix, table):
+    index = KVIndex()
+    for seq, event in enumerate(events):
+        index.apply("http://v", seq, [event])
+    assert index.prefix_blocks("http://v", H) == prefix
+    entry = index.endpoints["http://v"]
+    assert len(entry.ours) == table and set(entry.ours.values()) == entry.blocks
+    assert not entry.blocks & set(V), "the index holds our hashes only"
+
+
+def test_a_restart_empties_the_translation_table():
+    index = KVIndex()
+    index.apply("http://v", 0, [v_stored(0, 1)])
+    index.apply("http://v", 0, [v_stored(2)])  # sequence back to 0: a restarted worker; its parent is gone
+    assert index.endpoints["http://v"].ours == {} and index.prefix_blocks("http://v", H) == 0
+
+
+def test_our_workers_events_translate_to_themselves():
+    """Our engine announces our hashes: the table maps each to itself, and the prefix is what it announced."""
+    from disagg.worker.engine.kv_events import KVEventCollector
+
+    collector = KVEventCollector(BS)
+    for i, h in enumerate(H):
+        collector.stored(h, H[i - 1] if i else None, TOKENS[i * BS:(i + 1) * BS])
+    collector.removed(H[4])
+    index = KVIndex()
+    index.apply("http://ours", 0, collector.take().events)
+    entry = index.endpoints["http://ours"]
+    assert entry.ours == {h: h for h in H[:4]} and index.prefix_blocks("http://ours", H) == 4

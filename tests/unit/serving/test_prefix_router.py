@@ -75,3 +75,57 @@ def test_plan_finds_the_blocks_an_engine_announced(tok):
     # the same prompt with a different first token shares no block
     other = router.plan({"prompt": "Once " + TEXT}, "/v1/completions", prefill, decode)
     assert other.decode_hit_tokens == 0 and not other.skip_prefill
+
+
+# ---------------------------------------------------------------- vLLM workers: POST /tokenize, events by directory
+TOKENIZE_CASES = {
+    "completion text": ({"model": "m", "prompt": "hi"}, "/v1/completions", {"model": "m", "prompt": "hi"}),
+    "special tokens as asked": ({"prompt": "hi", "add_special_tokens": False}, "/v1/completions",
+                                {"prompt": "hi", "add_special_tokens": False}),
+    "a batch of one": ({"prompt": ["hi"]}, "/v1/completions", {"prompt": "hi"}),
+    "token ids need no call": ({"prompt": [1, 2, 3]}, "/v1/completions", [1, 2, 3]),
+    "a batch: not told": ({"prompt": ["a", "b"]}, "/v1/completions", None),
+    "chat: the template's inputs": ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                     "add_generation_prompt": False, "chat_template_kwargs": {"k": 1}},
+                                    "/v1/chat/completions",
+                                    {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                     "add_generation_prompt": False, "chat_template_kwargs": {"k": 1}}),
+    "chat without messages": ({"messages": "x"}, "/v1/chat/completions", None),
+}
+
+
+@pytest.mark.parametrize("body, path, want", TOKENIZE_CASES.values(), ids=TOKENIZE_CASES.keys())
+def test_vllm_tokenize_body(body, path, want):
+    from disagg.worker.router.prefix_router import tokenize_body
+
+    assert tokenize_body(body, path) == want
+
+
+def test_events_directory_prefers_the_announced_entry_then_the_fixed_ports():
+    from disagg.worker.router.discovery import parse_kv_events
+    from disagg.worker.router.kv_subscriber import EventsDirectory
+
+    announced = parse_kv_events('{"decode": ["http://a:1"], "kv_events": {"http://a:1": {"endpoint": '
+                                '"tcp://a:7", "topic": "t"}, "http://b:1": {"endpoint": 5}}}')
+    assert announced == {"http://a:1": {"endpoint": "tcp://a:7", "topic": "t"}}
+    d = EventsDirectory(5557, 5558, "kv-events", announced.get)
+    assert d.info("http://a:1") == {"endpoint": "tcp://a:7", "topic": "t"}
+    assert d.info("http://10.0.0.9:8000") == {"endpoint": "tcp://10.0.0.9:5557",
+                                              "replay_endpoint": "tcp://10.0.0.9:5558", "topic": "kv-events"}
+    assert EventsDirectory().info("http://10.0.0.9:8000") is None
+
+
+def test_the_endpoints_file_carries_where_each_worker_publishes(tmp_path):
+    """disagg up writes each vLLM worker's event ports next to its URL; the router's file discovery reads them."""
+    from disagg.worker.router.discovery import FileDiscovery, write_endpoints
+
+    path = tmp_path / "endpoints.json"
+    info = {"endpoint": "tcp://127.0.0.1:7001", "replay_endpoint": "tcp://127.0.0.1:7002", "topic": "kv-events"}
+    write_endpoints(path, [], ["http://127.0.0.1:1"], {"http://127.0.0.1:1": info})
+    discovery = FileDiscovery(str(path))
+    prefill, decode = EndpointPool("prefill", "prefix-aware"), EndpointPool("decode", "prefix-aware")
+    assert discovery.poll(prefill, decode) and list(decode.endpoints) == ["http://127.0.0.1:1"]
+    assert discovery.kv_events == {"http://127.0.0.1:1": info}
+    write_endpoints(path, [], ["http://127.0.0.1:1", "http://127.0.0.1:2"])  # no events announced any more
+    discovery.poll(prefill, decode)
+    assert discovery.kv_events == {}
