@@ -95,7 +95,9 @@ def test_decode_bound_scales_decode_up_with_status_event_and_metrics(cluster, op
     # the next decision wants 4: held at maxReplicas
     scaled = wait_for(lambda: autoscaling_status(cluster).get("decode", {}).get("limitedBy") and
                       autoscaling_status(cluster)["decode"], what="ScalingLimited at max")
-    assert scaled == {"current": 3, "desired": 3, "reason": "DecodeBound", "limitedBy": "TooManyReplicas"}
+    assert {k: scaled.get(k) for k in ("current", "desired", "reason", "limitedBy")} == \
+        {"current": 3, "desired": 3, "reason": "DecodeBound", "limitedBy": "TooManyReplicas"}
+    assert "kvCacheUsage" in scaled["signalsUsed"]  # status names what the decision read
     conditions = {c["type"]: (c["status"], c["reason"]) for c in cr(cluster)["status"]["conditions"]}
     assert conditions["ScalingActive"] == ("True", "ValidMetrics")
     assert conditions["ScalingLimited"] == ("True", "TooManyReplicas")
