@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -14,13 +13,12 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, validation_message,
+    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, parse_request,
 )
 from disagg.worker.server.tokenize_routes import add_tokenize_routes
 
@@ -138,20 +136,8 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
     if not loop_.ready:
         raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
     engine = loop_.engine
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        req = model_cls.model_validate(body)
-    except ValidationError as e:
-        message, param = validation_message(e)
-        raise APIError(400, message, param=param) from None
-    if req.model is not None and req.model != engine.served_model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    req = parse_request(await request.body(), engine.served_model_name, model_cls)
     check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
     prompt_ids = _prompt_token_ids(engine, req)
     sp = req.sampling_params(len(prompt_ids), engine.max_model_len)

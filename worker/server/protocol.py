@@ -43,6 +43,27 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     return f"{param}: {msg}" if param else msg, param
 
 
+def parse_request(raw: bytes, served_model_name: str, model_cls: type[BaseModel],
+                  chat_cls: type[BaseModel] | None = None) -> Any:
+    """A request body -> its pydantic model (`chat_cls` when the body has `messages`); every problem is an APIError
+    naming it: malformed JSON, not an object, a field (400), another model's name (404)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    cls = chat_cls if chat_cls is not None and "messages" in body else model_cls
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(400, message, param=param) from None
+    if getattr(req, "model", None) is not None and req.model != served_model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    return req
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.worker.server.protocol import APIError, ChatMessage, validation_message
+from disagg.worker.server.protocol import APIError, ChatMessage, parse_request
 
 
 class TokenizeCompletion(BaseModel):
@@ -42,22 +41,8 @@ def version() -> str:
         return "unknown"
 
 
-async def _parse(request: Request, engine: Any, *models: type[BaseModel]) -> BaseModel:
-    try:
-        raw = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(raw, dict):
-        raise APIError(400, "request body must be a JSON object")
-    cls = models[1] if len(models) > 1 and "messages" in raw else models[0]
-    try:
-        req = cls.model_validate(raw)
-    except ValidationError as e:
-        message, param = validation_message(e)
-        raise APIError(400, message, param=param) from None
-    if req.model is not None and req.model != engine.served_model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
-    return req
+async def _parse(request: Request, engine: Any, *models: type[BaseModel]) -> Any:
+    return parse_request(await request.body(), engine.served_model_name, *models)
 
 
 def _tokenize(engine: Any, req: TokenizeCompletion | TokenizeChat) -> dict[str, Any]:
