@@ -305,7 +305,7 @@ def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
     return ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--policy", spec.router.policy,
             "--discovery", "kubernetes", "--namespace", owner.namespace,
             "--prefill-selector", label_selector(owner, "prefill"),
-            "--decode-selector", label_selector(owner, "decode"), *spec.router.bound_args(),
+            "--decode-selector", label_selector(owner, "decode"), *spec.router.bound_args(spec.engine),
             *_router_kv_events_args(spec), *spec.router.extra_args]
 
 

@@ -24,8 +24,8 @@ FIRST_BYTE_S, IDLE_S, TOTAL_S = 5.0, 5.0, 60.0
 BOUNDS = ["--connect-timeout", "2", "--first-byte-timeout", str(FIRST_BYTE_S), "--idle-timeout", str(IDLE_S),
           "--request-timeout", str(TOTAL_S), "--eject-after-failures", "2", "--ejection-seconds", "3",
           "--max-ejection-seconds", "12"]
-PROBE_INTERVAL_S = 1.0  # probe timeout 2 s: 3 timed-out probes in a row say a worker stopped answering
-PROBES_S = 3 * (2.0 + PROBE_INTERVAL_S)
+PROBE_INTERVAL_S = 1.0  # probe timeout 2 s
+PROBES_S = 8.0 + 2.0  # the router's default --unresponsive-after, and the probe that finds it
 # a healthy request on top of a bound: under 1 s on an idle machine, many seconds on a shared 2-core one
 SLACK_S = 15.0
 BODY = {"model": "tiny-llama", "prompt": "The harbour market opened before dawn and the fishermen", "max_tokens": 8,

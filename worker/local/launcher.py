@@ -130,7 +130,7 @@ def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, 
     procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
     router = [*CLI, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
-              "--probe-interval", str(ROUTER_PROBE_INTERVAL_S), *spec.router.bound_args()]
+              "--probe-interval", str(ROUTER_PROBE_INTERVAL_S), *spec.router.bound_args(spec.engine)]
     if endpoints_file is not None:
         router += ["--discovery", "file", "--endpoints-file", endpoints_file]
     else:

@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
+
 logger = logging.getLogger("disagg.worker.router")
 
 
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode stream may be silent between chunks")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds per client request, all hops together (bounds a non-streamed decode too)")
+    p.add_argument("--unresponsive-after", type=float, default=UNRESPONSIVE_AFTER_S,
+                   help="seconds of readiness probes timing out in a row after which a worker counts as hung: "
+                        "it is taken out and the waits on it that streamed nothing yet fail over (0: never; the "
+                        "bounds above still hold)")
     # outlier detection (router/outliers.py)
     p.add_argument("--eject-after-failures", type=int, default=2,
                    help="failed hops in a row that eject a worker endpoint (a timed-out hop ejects at once)")
@@ -92,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
-    from disagg.worker.router.endpoints import EndpointPool
     from disagg.worker.router.outliers import OutlierPolicy
     from disagg.worker.router.proxy import RouterState, build_app, probe_forever
     from disagg.worker.router.timeouts import HopTimeouts
@@ -102,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     for problem in timeouts.problems() + ejection.problems():
         logger.error("%s", problem)
     if timeouts.problems() or ejection.problems():
+        return 2
+    if args.unresponsive_after < 0:
+        logger.error("--unresponsive-after must be >= 0 seconds, got %s", args.unresponsive_after)
         return 2
 
     discovery = None
@@ -119,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     elif not args.decode:
         logger.error("give at least one --decode URL (or --discovery file or kubernetes)")
         return 2
-    prefill = EndpointPool("prefill", args.policy, outlier_policy=ejection)
-    decode = EndpointPool("decode", args.policy, outlier_policy=ejection)
+    prefill, decode = (EndpointPool(role, args.policy, outlier_policy=ejection,
+                                    unresponsive_after_s=args.unresponsive_after) for role in ("prefill", "decode"))
     prefill.set_urls(args.prefill)
     decode.set_urls(args.decode)
     if isinstance(discovery, FileDiscovery):

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from disagg.worker.router import outliers
 
 
-# a busy worker may answer a probe late: only this many timeouts in a row take it out (an answer other than 200,
-# or a refused connection, takes it out at once)
-PROBE_TIMEOUTS_TO_UNREADY = 3
+# a busy worker may answer a probe late: only probes left unanswered (timed out, in a row) for this long take it
+# out and abandon the waits on it (an answer other than 200, or a refused connection, takes it out at once).
+# Per router: `--unresponsive-after`, spec.router.timeouts.unresponsiveSeconds (a CPU-starved vLLM needs more)
+UNRESPONSIVE_AFTER_S = 8.0
 # what a worker's /metrics says about its load: the same names on both engines (ours exports vLLM's)
 RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 
@@ -26,12 +27,23 @@ class Endpoint:
     reported_load: float = 0.0  # running + waiting requests by its last /metrics (every router's requests)
     kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
     probe_timeouts: int = 0  # readiness probes in a row that timed out
+    unanswered_since: float | None = None  # when the first of those was sent (monotonic); None: the last answered
+    unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # 0: never judged by its probes (the hop bounds still hold)
     health: outliers.Health = field(default_factory=outliers.Health)  # hop failures and ejection (outliers.py)
 
     def unresponsive(self) -> bool:
-        """Its readiness probes time out (a hung process, a partition) - unlike a draining worker, which answers
-        them with 503."""
-        return self.probe_timeouts >= PROBE_TIMEOUTS_TO_UNREADY
+        """Its readiness probes have timed out for unresponsive_after_s (a hung process, a partition) - unlike a
+        draining worker, which answers them with 503, or a busy one, which answers late now and then."""
+        return (self.unresponsive_after_s > 0 and self.unanswered_since is not None
+                and time.monotonic() - self.unanswered_since >= self.unresponsive_after_s)
+
+    def probe_timed_out(self, sent_at: float) -> None:
+        self.probe_timeouts += 1
+        if self.unanswered_since is None:
+            self.unanswered_since = sent_at
+
+    def probe_answered(self) -> None:
+        self.probe_timeouts, self.unanswered_since = 0, None
 
     def load(self) -> float:
         """This router's in-flight requests are counted at once, the worker's own count (which also holds other
@@ -71,6 +83,7 @@ class EndpointPool:
     _turn: itertools.count = field(default_factory=itertools.count)
     outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
     clock: Callable[[], float] = time.monotonic
+    unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # given to each endpoint (Endpoint.unresponsive)
 
     def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None) -> None:
         """Replace the membership (discovery); known endpoints keep their state.
@@ -80,6 +93,7 @@ class EndpointPool:
         self.endpoints = {u: self.endpoints.get(u) or Endpoint(u) for u in urls}
         for url, endpoint in self.endpoints.items():
             endpoint.revision = revisions.get(url)
+            endpoint.unresponsive_after_s = self.unresponsive_after_s
 
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
         ready = [e for e in self.endpoints.values() if e.ready and e.url not in exclude]

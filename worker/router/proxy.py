@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from disagg.worker.router.endpoints import PROBE_TIMEOUTS_TO_UNREADY, Endpoint, EndpointPool, load_from_metrics
+from disagg.worker.router.endpoints import Endpoint, EndpointPool, load_from_metrics
 from disagg.worker.router.timeouts import Deadline, HopTimeout, HopTimeouts, within
 from disagg.worker.server.protocol import error_body, sse
 
@@ -369,6 +369,7 @@ async def probe_once(state: RouterState) -> None:
 
 async def _probe(state: RouterState, ep: Endpoint) -> None:
     timeout = min(2.0, state.probe_interval_s * 2)
+    sent_at = time.monotonic()
     try:
         r = await state.client.get(f"{ep.url}{ep.ready_path or '/ready'}", timeout=timeout)
         if r.status_code == 404 and ep.ready_path is None:  # no /ready (vLLM): its /health answers once it serves
@@ -378,10 +379,10 @@ async def _probe(state: RouterState, ep: Endpoint) -> None:
         elif ep.ready_path is None:
             ep.ready_path = "/ready"
         ready = r.status_code == 200
-        ep.probe_timeouts = 0
+        ep.probe_answered()
     except httpx.TimeoutException:
-        ep.probe_timeouts += 1
-        ready = ep.ready and ep.probe_timeouts < PROBE_TIMEOUTS_TO_UNREADY
+        ep.probe_timed_out(sent_at)
+        ready = ep.ready and not ep.unresponsive()
     except httpx.HTTPError:
         ready = False
     if ready != ep.ready:

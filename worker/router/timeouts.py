@@ -4,9 +4,10 @@ request (total), which caps each of them. A hung worker (a stopped process, a pa
 connections from its kernel backlog and then says nothing, so the connect bound alone never catches it.
 
 A non-streamed decode answer has no first byte until it is complete, so no first-byte bound fits it. A hung
-worker is told apart from a slow one by its readiness probes: once they time out PROBE_TIMEOUTS_TO_UNREADY times
-in a row, the waits on it that have sent nothing to the client yet are abandoned (stage "unresponsive") and fail
-over like a timed-out hop; a worker that answers its probes, however slowly it generates, is left to finish.
+worker is told apart from a slow one by its readiness probes: once they have timed out in a row for
+--unresponsive-after seconds (endpoints.UNRESPONSIVE_AFTER_S), the waits on it that have sent nothing to the
+client yet are abandoned (stage "unresponsive") and fail over like a timed-out hop; a worker that answers its
+probes, however slowly it generates, is left to finish.
 """
 from __future__ import annotations
 

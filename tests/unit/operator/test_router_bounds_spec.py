@@ -15,9 +15,11 @@ from disagg.worker.router import cli as router_cli
 ROOT = Path(__file__).resolve().parents[3]
 BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())["spec"]
 OWNER = m.Owner(name="llama", namespace="serving", uid="0000-1111")
-ROUTER = {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90},
+ROUTER = {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90,
+                       "unresponsiveSeconds": 20},
           "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40}}
 WANT = {"connect_timeout": 2.0, "first_byte_timeout": 30.0, "idle_timeout": 10.0, "request_timeout": 90.0,
+        "unresponsive_after": 20.0,
         "eject_after_failures": 3, "ejection_seconds": 4.0, "max_ejection_seconds": 40.0}
 
 
@@ -42,7 +44,18 @@ def test_router_bounds_reach_the_router_pod_and_the_local_router():
 def test_defaults_are_the_routers_own():
     spec = s.parse_spec(copy.deepcopy(BASE))
     defaults = parsed_router_args(["router"])
-    assert parsed_router_args(["router", *spec.router.bound_args()]) == defaults
+    assert parsed_router_args(["router", *spec.router.bound_args("disagg")]) == defaults
+
+
+def test_vllm_workers_get_longer_to_answer_their_probes_unless_the_spec_says():
+    """A CPU-starved vLLM left /health unanswered for 27 s while it served; the router's default of 8 s then
+    abandoned its requests with 504s. With engine vllm the default is 60 s; an explicit value wins for both."""
+    spec = s.parse_spec({**copy.deepcopy(BASE), "engine": "vllm"})
+    args = m.build_router_deployment(OWNER, spec)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert parsed_router_args(args)["unresponsive_after"] == 60.0
+    assert parsed_router_args(["router", *spec.router.bound_args("disagg")])["unresponsive_after"] == 8.0
+    spec = s.parse_spec({**copy.deepcopy(BASE), "engine": "vllm", "router": {"timeouts": {"unresponsiveSeconds": 0}}})
+    assert parsed_router_args(["router", *spec.router.bound_args("vllm")])["unresponsive_after"] == 0.0
 
 
 def test_contradicting_bounds_are_named():

@@ -154,7 +154,7 @@ async def test_a_non_streamed_decode_on_a_worker_whose_probes_stop_answering_fai
 
     async def probes_time_out() -> None:  # what the probe loop records for a stopped process
         await asyncio.sleep(0.3)
-        state.decode.endpoints[D1].probe_timeouts = 3
+        state.decode.endpoints[D1].probe_timed_out(time.monotonic() - 100)
 
     t0 = time.monotonic()
     _, r = await asyncio.gather(probes_time_out(), client.post("/v1/completions", json={"prompt": "x"}))

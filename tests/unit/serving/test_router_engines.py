@@ -94,9 +94,8 @@ def test_least_loaded_follows_the_workers_reported_load():
 
 def test_a_ready_worker_that_answers_late_stays_ready_until_timeouts_repeat():
     """On a starved machine a busy vLLM answers /health late now and then; one late answer must not leave the
-    pool without a decode endpoint (seen: 503s in a scale-down test). A refused connection counts at once."""
-    from disagg.worker.router.endpoints import PROBE_TIMEOUTS_TO_UNREADY
-
+    pool without a decode endpoint (seen: 503s in a scale-down test); probes left unanswered for
+    --unresponsive-after take it out. A refused connection counts at once."""
     url = "http://w:1"
     state, servers = probed({url: "vllm"}, rounds=1)
     ep = state.decode.endpoints[url]
@@ -109,13 +108,34 @@ def test_a_ready_worker_that_answers_late_stays_ready_until_timeouts_repeat():
                 await probe_once(state)
 
     servers.kinds[url] = "slow"
-    asyncio.run(rounds(PROBE_TIMEOUTS_TO_UNREADY - 1))
-    assert ep.ready
+    asyncio.run(rounds(3))
+    assert ep.ready and not ep.unresponsive()
+    ep.unanswered_since -= ep.unresponsive_after_s  # as if the first timed-out probe was sent that long ago
     asyncio.run(rounds(1))
-    assert not ep.ready
+    assert not ep.ready and ep.unresponsive()
     servers.kinds[url] = "vllm"
     asyncio.run(rounds(1))
-    assert ep.ready and ep.probe_timeouts == 0
+    assert ep.ready and ep.probe_timeouts == 0 and not ep.unresponsive()
     servers.kinds[url] = "down"
     asyncio.run(rounds(1))
     assert not ep.ready
+
+
+def test_unresponsive_after_zero_never_takes_a_worker_out_by_its_probes():
+    """--unresponsive-after 0: only the hop bounds judge a worker; probes that time out leave it ready."""
+    url = "http://w:1"
+    state, servers = probed({url: "vllm"}, rounds=1)
+    ep = state.decode.endpoints[url]
+    ep.unresponsive_after_s = 0.0
+    servers.kinds[url] = "slow"
+
+    async def rounds(n: int) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
+            state.client = client
+            for _ in range(n):
+                await probe_once(state)
+
+    asyncio.run(rounds(2))
+    ep.unanswered_since -= 3600
+    asyncio.run(rounds(1))
+    assert ep.ready and not ep.unresponsive() and ep.probe_timeouts == 3
