@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
     from disagg.worker.router.outliers import OutlierPolicy
-    from disagg.worker.router.proxy import RouterState, build_app, probe_forever
+    from disagg.worker.router.probes import probe_forever
+    from disagg.worker.router.proxy import RouterState, build_app
     from disagg.worker.router.timeouts import HopTimeouts
 
     timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
