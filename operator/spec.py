@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from disagg.worker.kv_transfer.connectors import CONNECTORS, connector_problem, declaration_of
 from disagg.worker.router import endpoints as router_endpoints
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
@@ -231,6 +232,18 @@ class OutlierDetection(_Model):
     max_ejection_seconds: int = Field(300, ge=1, le=86400)
 
 
+class PrefixAwareRouting(_Model):
+    """How policy prefix-aware weighs a worker's cached prefix against its load (router/prefix_policy.py)."""
+    load_cost_tokens: int = Field(
+        int(PrefixPolicyConfig.load_cost_tokens), ge=0, le=1_000_000, description="One request in flight at a "
+        "worker weighs as much as this many prompt tokens it would have to compute: lower packs a hot prefix "
+        "onto the worker that holds it, higher spreads load sooner.")
+    skip_prefill_blocks: int = Field(
+        PrefixPolicyConfig.skip_prefill_max_missing_blocks, ge=0, le=100_000, description="Send a prompt to "
+        "decode alone (no prefill hop, no KV transfer) when the chosen decode worker misses at most this many "
+        "full KV blocks of it (0: only when it holds them all).")
+
+
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
     policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
@@ -240,17 +253,21 @@ class RouterSpec(PodPlacement):
     resources: Resources = Field(default_factory=Resources)
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
+    prefix_aware: PrefixAwareRouting = Field(default_factory=PrefixAwareRouting)
     extra_args: list[str] = Field(default_factory=list)
 
     def bound_args(self, engine: str) -> list[str]:
-        """The `disagg router` flags for the timeouts and outlier detection (pods and `disagg up` alike)."""
-        t, o = self.timeouts, self.outlier_detection
+        """The `disagg router` flags for the timeouts, outlier detection and prefix-aware weights (pods and
+        `disagg up` alike)."""
+        t, o, x = self.timeouts, self.outlier_detection, self.prefix_aware
         return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
                 "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds),
                 "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
                 "--eject-after-failures", str(o.consecutive_failures),
                 "--ejection-seconds", str(o.base_ejection_seconds),
-                "--max-ejection-seconds", str(o.max_ejection_seconds)]
+                "--max-ejection-seconds", str(o.max_ejection_seconds),
+                "--prefix-load-cost-tokens", str(x.load_cost_tokens),
+                "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks)]
 
 
 # ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)

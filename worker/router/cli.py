@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 
 from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
 logger = logging.getLogger("disagg.worker.router")
 
@@ -39,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "entries come first)")
     x.add_argument("--kv-events-replay-port", type=int, help="their replay socket's port")
     x.add_argument("--kv-events-topic", default="", help="their events' topic frame")
-    x.add_argument("--prefix-load-cost-tokens", type=float, default=256.0, help="one request in flight at an "
+    x.add_argument("--prefix-load-cost-tokens", type=float, default=PrefixPolicyConfig.load_cost_tokens, help="one request in flight at an "
                    "endpoint weighs as much as this many prompt tokens it would have to compute")
-    x.add_argument("--prefix-skip-prefill-blocks", type=int, default=2, help="send to decode alone when the "
+    x.add_argument("--prefix-skip-prefill-blocks", type=int,
+                   default=PrefixPolicyConfig.skip_prefill_max_missing_blocks, help="send to decode alone when the "
                    "chosen decode endpoint misses at most this many full blocks of the prompt (0: only all)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)

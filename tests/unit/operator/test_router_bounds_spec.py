@@ -1,5 +1,5 @@
-"""spec.router.timeouts and outlierDetection reach the router the same way on Kubernetes and in `disagg up`, and
-values that contradict each other are named."""
+"""spec.router.timeouts, outlierDetection and prefixAware reach the router the same way on Kubernetes and in
+`disagg up`, and values that contradict each other are named."""
 from __future__ import annotations
 
 import copy
@@ -17,10 +17,12 @@ BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())["s
 OWNER = m.Owner(name="llama", namespace="serving", uid="0000-1111")
 ROUTER = {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90,
                        "unresponsiveSeconds": 20},
-          "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40}}
+          "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40},
+          "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5}}
 WANT = {"connect_timeout": 2.0, "first_byte_timeout": 30.0, "idle_timeout": 10.0, "request_timeout": 90.0,
         "unresponsive_after": 20.0,
-        "eject_after_failures": 3, "ejection_seconds": 4.0, "max_ejection_seconds": 40.0}
+        "eject_after_failures": 3, "ejection_seconds": 4.0, "max_ejection_seconds": 40.0,
+        "prefix_load_cost_tokens": 96.0, "prefix_skip_prefill_blocks": 5}
 
 
 def parsed_router_args(argv: list[str]) -> dict:
