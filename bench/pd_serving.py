@@ -98,7 +98,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None
         time.sleep(0.2)
 
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+# a colocated vLLM binds its OpenMP threads to every core (its best setting alone); under `disagg up` each vLLM
+# process gets cores of its own from the launcher (launcher.vllm_cpu_bind)
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_ALONE_ENV = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
 STARTUP_S = {"disagg": 180, "vllm": 600}
 
 
@@ -136,7 +139,7 @@ def start_colocated(tmp: Path, engine: str, model_dir: str, worker_args: list[st
     common = ["--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
               "--max-model-len", "512"]
     if engine == "vllm":
-        argv, env = [vllm_executable(), "serve", model_dir, *common], {**os.environ, **VLLM_ENV}
+        argv, env = [vllm_executable(), "serve", model_dir, *common], {**os.environ, **VLLM_ALONE_ENV}
     else:
         argv, env = [*CLI, "worker", "--role", "both", "--model", model_dir, *common, *worker_args], None
     proc = subprocess.Popen(argv, stdout=(tmp / f"colocated-{engine}.log").open("w"), stderr=subprocess.STDOUT,

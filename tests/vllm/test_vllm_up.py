@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 import waiting
-from vllm_env import ENGINE_ENV
+from vllm_env import ALONE_ENV, ENGINE_ENV
 
 from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
@@ -84,7 +84,7 @@ def reference_texts(vllm_executable, vllm_model_dir, tmp_path_factory) -> dict[s
     port = free_port()
     argv = [vllm_executable, "serve", vllm_model_dir, "--served-model-name", MODEL, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *ENGINE_ARGS]
-    proc = LocalProcess(ProcessSpec("reference", argv, f"http://127.0.0.1:{port}", dict(ENGINE_ENV)),
+    proc = LocalProcess(ProcessSpec("reference", argv, f"http://127.0.0.1:{port}", dict(ALONE_ENV)),
                         tmp_path_factory.mktemp("vllm-ref"))
     proc.start()
     try:

@@ -93,6 +93,34 @@ def find_vllm(configured: str | None = None) -> str:
     return path
 
 
+VLLM_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = None) -> str:
+    """The cores one local vLLM process binds its OpenMP threads to (vLLM's CPU platform; ignored on GPUs).
+
+    vLLM binds every process to all cores by default; several on one machine then share each core with the
+    others' threads, and every OpenMP barrier waits for a descheduled peer: three vLLM processes on 2 cores
+    generated 0.1-1.4 tokens/s, where one core each serves normally. So the machine's cores are split among
+    the most workers the spec can run (max replicas with autoscaling): prefill slots first, then decode; with
+    fewer cores than workers each gets one core and they share round-robin."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    slots = {r: (getattr(spec.autoscaling, r).max_replicas if spec.autoscaling.enabled else getattr(spec, r).replicas)
+             for r in ("prefill", "decode")}
+    slots = {r: max(n, 1) for r, n in slots.items()}
+    total = slots["prefill"] + slots["decode"]
+    slot = (index % slots["prefill"]) if role == "prefill" else slots["prefill"] + index % slots["decode"]
+    if len(cores) < total:
+        mine = [cores[slot % len(cores)]]
+    else:
+        per = len(cores) // total
+        mine = cores[slot * per:(slot + 1) * per]
+    # tensor parallel: one list per rank, "|" between them (vLLM's format)
+    tp = getattr(spec, role).tensor_parallel_size
+    per_rank = [mine[r * len(mine) // tp:(r + 1) * len(mine) // tp] or [mine[r % len(mine)]] for r in range(tp)]
+    return "|".join(",".join(str(c) for c in rank) for rank in per_rank)
+
+
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
                 worker_args: list[str] = (), vllm_executable: str | None = None) -> ProcessSpec:
     """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's command
@@ -104,6 +132,8 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
     events = (port_for(), port_for()) if spec.router.policy == "prefix-aware" else None
     command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir, events))
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
+    if spec.engine == "vllm" and VLLM_CPU_BIND not in env and VLLM_CPU_BIND not in os.environ:
+        env[VLLM_CPU_BIND] = vllm_cpu_bind(spec, role, index)
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
     # vLLM serves no GET /kv_events: the router learns its ports from the endpoints file (ours serve both)
     kv_events = None if events is None else {
