@@ -6,6 +6,7 @@ terminating pod and the preStop wait."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,13 @@ from disagg.worker.local.launcher import plan, worker_spec
 from disagg.worker.local.process import LocalProcess, free_port, is_ready, shutdown, wait_all_ready
 from disagg.worker.local.scaling import WorkerSet
 
+# vLLM's NIXL agent (nixl 1.5.1's Python API sets pthrDelay 0) polls UCX in its progress thread with a zero
+# timeout: each vLLM P/D worker keeps a thread busy on a core once it has peers. Three of them on 2 cores left a
+# decode's /health unanswered for over 60 s under this load (twice in a row here: 504s), so this scenario needs
+# more cores than that; the cluster tier's vLLM scale-down (tests/cluster/test_vllm.py) runs on 2.
+MIN_CORES = 4
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < MIN_CORES,
+                                reason=f"needs {MIN_CORES}+ cores: 3 vLLM workers each busy-poll NIXL on one")
 HOST = "127.0.0.1"
 MAX_TOKENS = 16
 CLIENTS = 3  # streams kept open at once

@@ -140,11 +140,16 @@ def test_pd_through_the_router_equals_one_colocated_vllm(up, reference_texts, ki
 
 
 def test_kv_moved_over_nixl(up):
+    """This request's KV came over NIXL. (Counted per request: a first handshake can time out on a starved
+    2-core box - vLLM waits 5 s for the prefill's side channel - and vLLM then recomputes; seen once.)"""
     decode, prefill = up["urls"]["decode-0"], up["urls"]["prefill-0"]
+    before = {name: metric_sum(decode, name) for name in
+              ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_failed_transfers_total")}
     generate(up["router"], "completion", False)
-    assert metric_sum(decode, "vllm:nixl_xfer_time_seconds_count") > 0
+    wait_for(lambda: metric_sum(decode, "vllm:nixl_xfer_time_seconds_count")
+             > before["vllm:nixl_xfer_time_seconds_count"], 30, "this request's READ in vLLM's NIXL metrics")
     assert metric_sum(decode, "vllm:nixl_bytes_transferred_sum") > 0
-    assert metric_sum(decode, "vllm:nixl_num_failed_transfers_total") == 0
+    assert metric_sum(decode, "vllm:nixl_num_failed_transfers_total") == before["vllm:nixl_num_failed_transfers_total"]
     # decode took the prompt's KV from prefill rather than computing it
     assert metric_sum(decode, 'vllm:prompt_tokens_by_source_total{engine="0",model_name="' + MODEL
                       + '",source="external_kv_transfer"}') > 0
