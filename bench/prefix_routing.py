@@ -10,7 +10,7 @@ moved from prefill to decode. The oracle hit rate is what a router that knows ev
 first request of a tenant computes its prefix, every later one reuses all of its full blocks. Prints the ratios
 prefix-aware / round-robin at the highest rate where round-robin's p90 TTFT is under 2 s.
 
-    python bench/prefix_routing.py [--rates 2 4 8] [--num-requests 48] [--tenants 8]
+    python bench/prefix_routing.py [--rates 4 8 16] [--num-requests 48] [--tenants 8]
 
 The policies run one after the other (a fresh `disagg up` each, so no cache carries over). Not a test.
 """
@@ -36,6 +36,7 @@ from pd_serving import metric_sum, one_request, percentile, stop  # noqa: E402
 from disagg.worker.engine.block_pool import hash_request_blocks  # noqa: E402
 from disagg.worker.local.process import free_port  # noqa: E402
 from disagg.worker.model.tokenizer import Tokenizer  # noqa: E402
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
@@ -183,15 +184,17 @@ def report(results: dict[str, dict[float, dict]], oracle: dict[float, float], ra
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
-    p.add_argument("--num-requests", type=int, default=32, help="per rate")
+    p.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 16.0])
+    p.add_argument("--num-requests", type=int, default=48, help="per rate")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-words", type=int, default=150, help="system prompt length (~3.3 tokens per word)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="per worker (default: ~0.6 of all prefixes)")
     p.add_argument("--connector", default="NixlConnector")
-    p.add_argument("--skip-prefill-blocks", type=int, default=2, help="prefix-aware's --prefix-skip-prefill-blocks")
-    p.add_argument("--load-cost-tokens", type=float, default=256.0, help="prefix-aware's --prefix-load-cost-tokens")
+    p.add_argument("--skip-prefill-blocks", type=int, default=PrefixPolicyConfig.skip_prefill_max_missing_blocks,
+                   help="prefix-aware's --prefix-skip-prefill-blocks")
+    p.add_argument("--load-cost-tokens", type=float, default=PrefixPolicyConfig.load_cost_tokens,
+                   help="prefix-aware's --prefix-load-cost-tokens")
     p.add_argument("--hidden-size", type=int, default=384, help="of the generated model: prefill must cost "
                    "something next to the HTTP hops for a prefix hit to show in TTFT")
     p.add_argument("--layers", type=int, default=6)
