@@ -49,6 +49,19 @@ def wait_ready(cluster: Cluster, name: str, timeout: float = 150) -> dict[str, A
                     f"{name} Ready\n{cluster.logs()}", interval=0.5)
 
 
+def wait_router_pairs(cluster: Cluster, name: str, timeout: float = 30) -> None:
+    """Until the router pod's probes have found a ready prefill and a ready decode: the CR's Ready condition
+    comes from the pods' readiness, which the router's own probes (every second) see a moment later - a request
+    in between is served by decode alone, correctly, but without a KV transfer."""
+    def paired() -> bool:
+        try:
+            r = httpx.get(f"{router_url(cluster, name)}/ready", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return r.get("prefill_ready", 0) >= 1 and r.get("decode_ready", 0) >= 1
+    wait_for(paired, timeout, f"{name}'s router to see a ready prefill and decode", interval=0.2)
+
+
 def pod_url(pod: dict[str, Any]) -> str:
     return f"http://{pod['status']['podIP']}:{m.HTTP_PORT}"
 

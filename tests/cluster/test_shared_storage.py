@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cluster import NODE_PARENT
-from scenario import MODEL, PROMPT, cr_manifest, delete_and_wait, router_url, wait_ready
+from scenario import MODEL, PROMPT, cr_manifest, delete_and_wait, router_url, wait_ready, wait_router_pairs
 
 pytestmark = [pytest.mark.slow]
 NAME = "shared"
@@ -23,6 +23,7 @@ def test_shared_storage_connector_moves_kv_through_the_claim(cluster, checkpoint
                                 "sharedStorage": {"claimName": "kv-shared"}}
     cluster.apply(cr)
     wait_ready(cluster, NAME)
+    wait_router_pairs(cluster, NAME)
     with httpx.Client(timeout=60) as http:
         r = http.post(f"{router_url(cluster, NAME)}/v1/completions",
                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
