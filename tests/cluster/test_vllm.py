@@ -72,7 +72,11 @@ def test_vllm_pods_serve_through_the_router_and_decode_scales_1_2_1(cluster, vll
                               engineArgs=["--enforce-eager", "--max-num-seqs", "16"],
                               kvTransfer={"connector": "NixlConnector", "leaseSeconds": 20},
                               prefill={**role, "env": engine_env("0")},
-                              decode={**role, "env": engine_env(str(LAST_CORE))}))
+                              decode={**role, "env": engine_env(str(LAST_CORE))},
+                              # while a vLLM pod tears down the 2 cores are so starved that the router's connect to
+                              # the remaining decode outlasted the 5 s default once (a 504, with no other decode to
+                              # fail over to, in a clean-clone run); a real node is not this short of CPU
+                              router={"timeouts": {"connectSeconds": 30}}))
     wait_ready(cluster, name, timeout=STARTUP_S)
     t_ready = time.monotonic() - t0
     (prefill,) = live_pods(cluster, name, "prefill")
