@@ -6,22 +6,14 @@ first time, which then counts prefix-cache hits; the router's own hit metric say
 from __future__ import annotations
 
 import functools
-import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 import waiting
-import yaml
-from vllm_env import ENGINE_ENV
+from vllm_env import ENGINE_ENV, disagg_up
 
 from test_vllm_up import metric_sum
 
-REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "disagg.worker.cli"]
 MODEL = "tiny-vllm"
 STARTUP_S = 500  # two vLLM processes starting on two busy cores
 wait_for = functools.partial(waiting.wait_for, interval=0.5)
@@ -46,26 +38,10 @@ def prefix_spec(model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def up(vllm_executable, vllm_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-prefix")
-    spec_file = tmp / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(prefix_spec(vllm_model_dir)))
     port = free_port()
-    out = (tmp / "up.out").open("w")
-    launcher = subprocess.Popen([*CLI, "up", "-f", str(spec_file), "--port", str(port), "--log-dir", str(tmp / "logs"),
-                                 "--vllm", vllm_executable, "--startup-timeout", str(STARTUP_S)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
-    try:
-        # "  -> ": disagg up's own first request is answered (else it would count on a worker during the test)
-        wait_for(lambda: "  -> " in text() or launcher.poll() is not None, STARTUP_S + 30, "disagg up to serve")
-        assert launcher.poll() is None, text() + "".join(
-            f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-30:]) for p in (tmp / "logs").glob("*.log"))
-        urls = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text()))
-        yield {"router": f"http://127.0.0.1:{port}", "urls": urls, "logs": tmp / "logs"}
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(180)
-        out.close()
+    # "  -> ": disagg up's own first request is answered (else it would count on a worker during the test)
+    with disagg_up(prefix_spec(vllm_model_dir), tmp, vllm_executable, port, STARTUP_S, "  -> ") as up:
+        yield {"router": f"http://127.0.0.1:{port}", "urls": up["urls"], "logs": up["logs"]}
 
 
 def free_port() -> int:

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 import waiting
-from vllm_env import ALONE_ENV, ENGINE_ENV
+from vllm_env import ALONE_ENV, ENGINE_ENV, disagg_up
 
 from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
-REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "disagg.worker.cli"]
 MODEL = "tiny-vllm"
 PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
@@ -99,27 +92,10 @@ def reference_texts(vllm_executable, vllm_model_dir, tmp_path_factory) -> dict[s
 @pytest.fixture(scope="module")
 def up(vllm_executable, vllm_model_dir, reference_texts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-up")
-    spec_file = tmp / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(vllm_spec(vllm_model_dir)))
     port, status_port = free_port(), free_port()
-    out = (tmp / "up.out").open("w")
-    launcher = subprocess.Popen([*CLI, "up", "-f", str(spec_file), "--port", str(port), "--status-port",
-                                 str(status_port), "--log-dir", str(tmp / "logs"), "--vllm", vllm_executable,
-                                 "--startup-timeout", str(STARTUP_S)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
-    try:
-        wait_for(lambda: "serving" in text() or launcher.poll() is not None, STARTUP_S + 30, "disagg up to serve")
-        assert launcher.poll() is None, text() + "".join(
-            f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-30:]) for p in (tmp / "logs").glob("*.log"))
-        urls = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text()))
-        yield {"launcher": launcher, "router": f"http://127.0.0.1:{port}", "status": f"http://127.0.0.1:{status_port}",
-               "urls": urls, "output": text, "logs": tmp / "logs"}
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(180)
-        out.close()
+    with disagg_up(vllm_spec(vllm_model_dir), tmp, vllm_executable, port, STARTUP_S, "serving",
+                   ["--status-port", str(status_port)]) as up:
+        yield {**up, "router": f"http://127.0.0.1:{port}", "status": f"http://127.0.0.1:{status_port}"}
 
 
 def test_disagg_up_starts_vllm_serve_from_the_builder(up):
