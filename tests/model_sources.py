@@ -124,9 +124,9 @@ class HubServer:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from disagg.worker.ports import free_port as free
+
+    return free()
 
 
 def moto_executable() -> str | None:

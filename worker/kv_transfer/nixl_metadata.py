@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS  # extra config lease_seconds
 from disagg.worker.kv_transfer.side_channel import EngineMetadata
+from disagg.worker.ports import free_port
 
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0  # extra config read_timeout_seconds
 
@@ -32,7 +33,7 @@ class NixlSettings:
         bind_host = extra.get("side_channel_host", "127.0.0.1")
         if not extra.get("side_channel_port"):
             # both roles read this dict: the first one picks the port, the worker side binds it
-            extra["side_channel_port"] = _free_port(bind_host)
+            extra["side_channel_port"] = free_port(bind_host)
         advertise = extra.get("side_channel_advertise_host") or bind_host
         return NixlSettings(
             engine_id=config.engine_id,
@@ -92,8 +93,3 @@ def _positive(extra: dict, key: str, default: float) -> float:
         raise ValueError(f"kv_connector_extra_config.{key}={extra.get(key)!r}: expected a number of seconds > 0")
     return value
 
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
-        return s.getsockname()[1]

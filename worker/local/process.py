@@ -8,7 +8,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -18,17 +17,13 @@ from typing import Any
 
 import httpx
 
+from disagg.worker.ports import free_port  # noqa: F401 - the launcher's and the tests' import of it
+
 PR_SET_PDEATHSIG = 1
 
 
 
 # ---------------------------------------------------------------- ports and readiness (also used by tests)
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def is_ready(url: str, timeout: float = 1.0) -> bool:
     """GET /ready; a server without one (vLLM: 404) is ready when its /health answers 200."""
     try:
