@@ -1,4 +1,5 @@
-"""Paged KV blocks: ref counts, an LRU free list, and the prefix cache (block hash -> block id).
+"""Paged KV blocks: ref counts, a free list (uncached blocks first, then cached ones in LRU order), and the
+prefix cache (block hash -> block id).
 
 Pure bookkeeping; no torch. A freed block keeps its hash (and its KV) until it is reused, so a
 later request with the same prefix can take it back from the free list.
@@ -54,6 +55,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.events = events  # None: nobody listens
+        # blocks [0, high_water) have been handed out at least once; never-used blocks sit in the free list
+        # in id order behind the reused ones, so they are taken in id order (the KV prefaulter reads this)
+        self.high_water = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,6 +79,8 @@ class BlockPool:
             self.uncache_block(block_id)  # evict its cached prefix
             self.blocks[block_id].ref_cnt = 1
             ids.append(block_id)
+            if block_id >= self.high_water:
+                self.high_water = block_id + 1
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -86,7 +92,11 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference each; blocks reaching zero go to the end of the free list in this order."""
+        """Drop one reference each. A block reaching zero that holds a cached prefix goes to the end of
+        the free list (in this order: least recently used is evicted first); one without goes to the
+        front, to be reused first: reusing it evicts nothing, and its memory is already mapped, where
+        taking blocks never used yet page-faulted every step's K/V writes (~3.5 ms per layer for a
+        4.8k-token prefill on the lazily mapped CPU cache)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
@@ -94,6 +104,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def cache_block(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
                     token_ids: Sequence[int] = ()) -> None:

@@ -14,7 +14,8 @@ from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from disagg.worker.engine.kv_events import EventBatch, KVEventCollector
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
-from disagg.worker.runner.kv_cache_memory import allocate_kv_cache
+from disagg.worker.runner.host_malloc import tune_malloc
+from disagg.worker.runner.kv_cache_memory import KVPrefaulter, allocate_kv_cache, is_lazy_mapping
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
 from disagg.worker.kv_transfer.factory import create_connector
 from disagg.worker.model import Tokenizer, load_model
@@ -54,6 +55,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu":
+            tune_malloc()
+            if self.dtype == torch.float32 and hasattr(self.model, "pack_weights"):
+                logger.info("packed %d linear weights for oneDNN", self.model.pack_weights())
         self.tokenizer = Tokenizer(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         mc = self.model_config
@@ -97,6 +102,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device, self.worker_connector,
                                   seed=config.seed)
+        # a lazily mapped CPU cache: keep the blocks about to be used populated (see kv_cache_memory.py)
+        self._prefaulter = KVPrefaulter(kv_cache, num_blocks) if is_lazy_mapping(kv_cache) else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0
@@ -210,6 +217,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
+        if self._prefaulter is not None:
+            self._prefaulter.advance(self.kv_cache_manager.pool.high_water)
         try:
             runner_output = self.runner.execute_model(so)
         except Exception as e:  # an engine bug: fail this batch, keep serving the rest
@@ -245,6 +254,8 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
+        if self._prefaulter is not None:
+            self._prefaulter.stop()
         for connector in (self.worker_connector, self.scheduler_connector):
             if connector is not None:
                 connector.shutdown()

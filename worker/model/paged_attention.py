@@ -3,7 +3,8 @@
 A family's attention layer projects q, k, v (and applies its position encoding), then calls
 PagedAttention, which: finds the step's metadata and KV cache in the forward context, calls the
 KV connector's per-layer hooks, writes the new tokens' K and V at their slots, and attends -
-decodes in one batched op over their block tables, prefill chunks one sequence at a time.
+decodes in one batched op over their block tables, prefill chunks in one call of our CPU kernel
+(cpu_kernels.prefill_attention; off CPU or where it does not apply, SDPA one sequence at a time).
 Without metadata (a dummy run) it is plain causal attention over the given k, v.
 
 KV cache: (num_blocks, num_layers, 2, block_size, n_kv_heads, head_dim), contiguous (see
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagg.worker.model import cpu_kernels
 from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 
 
@@ -88,11 +90,29 @@ class PagedAttention(nn.Module):
         layer_cache = kv_cache[:, self.layer_idx]  # (num_blocks, 2, block_size, n_kv_heads, head_dim) view
         n_dec = md.num_decodes
         if n_dec == len(md.seq_lens):
-            return self._decode_attention(index, layer_cache, q)
-        out = torch.empty_like(q)  # (T, n_heads, head_dim)
+            return self._decode_attention(index, layer_cache, q, kv_cache, md)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, n_heads, head_dim), contiguous
         if n_dec:
-            out[:n_dec] = self._decode_attention(index, layer_cache, q[:n_dec])
+            out[:n_dec] = self._decode_attention(index, layer_cache, q[:n_dec], kv_cache, md)
+        done: set[int] = set()
+        if n_dec < len(md.seq_lens) and cpu_kernels.supports_prefill(q, k, v):
+            # our kernel, each kind of chunk in one call: those with nothing cached before them read their
+            # own K/V where they lie, those that continue a cached prefix read it all from the cache's blocks
+            chunks = range(n_dec, len(md.seq_lens))
+            fresh = [i for i in chunks if md.seq_lens[i] == md.query_start_loc[i + 1] - md.query_start_loc[i]]
+            cont = [i for i in chunks if md.seq_lens[i] != md.query_start_loc[i + 1] - md.query_start_loc[i]]
+            cpu_kernels.prefill_attention(q, k, v, [md.query_start_loc[i] for i in fresh],
+                                          [md.seq_lens[i] for i in fresh], self.scale, out)
+            done = set(fresh)
+            if cont and kv_cache.dtype == torch.float32:
+                q_lens = [md.query_start_loc[i + 1] - md.query_start_loc[i] for i in cont]
+                cpu_kernels.paged_prefill_attention(
+                    q, kv_cache, self.layer_idx, md.block_tables[cont], [md.query_start_loc[i] for i in cont],
+                    q_lens, [md.seq_lens[i] - n for i, n in zip(cont, q_lens)], self.scale, out)
+                done.update(cont)
         for i in range(n_dec, len(md.seq_lens)):
+            if i in done:
+                continue
             start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
             seq_len, q_len = md.seq_lens[i], end - start
             if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
@@ -106,15 +126,22 @@ class PagedAttention(nn.Module):
     def _write_kv(self, kv_cache: torch.Tensor, index: PagedIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K and V (T, n_kv_heads, head_dim) at their slots of this layer."""
         T = k.shape[0]
-        rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
         k_rows, v_rows = index.kv_rows[self.layer_idx]  # (T,) each
+        if cpu_kernels.can_write(k, kv_cache):  # a memcpy per row, reading k and v where they lie
+            cpu_kernels.write_kv_rows(kv_cache, k_rows, v_rows, k, v)
+            return
+        rows = kv_cache.view(-1, k.shape[1] * k.shape[2])  # (num_blocks * layers * 2 * block_size, n_kv * hd)
         # index_copy_ of whole rows: much cheaper than advanced-index assignment into the 6-d cache
         rows.index_copy_(0, k_rows, k.reshape(T, -1).to(kv_cache.dtype))
         rows.index_copy_(0, v_rows, v.reshape(T, -1).to(kv_cache.dtype))
 
-    def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, index: PagedIndex, layer_cache: torch.Tensor, q: torch.Tensor,
+                          kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All single-token requests in one batched op. q: (B, n_heads, head_dim)."""
         B, group = q.shape[0], self.n_heads // self.n_kv_heads
+        if cpu_kernels.supports(q, kv_cache, self.n_kv_heads):  # in place over the blocks, no K/V copies
+            return cpu_kernels.paged_decode_attention(q, kv_cache, self.layer_idx, md.block_tables[:B],
+                                                      md.seq_lens_tensor[:B], self.scale)
         k, v = _gather_blocks(layer_cache, index.decode_blocks, B)  # (B, S, n_kv_heads, head_dim)
         # The query heads that share a KV head become that head's query rows: each K/V head is read
         # once instead of once per query head (~2x faster than enable_gqa). No causal mask is needed,

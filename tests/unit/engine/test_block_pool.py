@@ -73,3 +73,17 @@ def test_allocation_failure_changes_nothing():
     assert kv.get_block_ids("b") == [] and kv.num_free_blocks == 0
     kv.free(a)
     assert kv.num_free_blocks == 3
+
+
+def test_uncached_blocks_are_reused_first_and_cached_ones_evicted_last():
+    pool = BlockPool(8)
+    a = pool.get_new_blocks(3)  # 0, 1, 2: never used before, taken in id order
+    assert a == [0, 1, 2] and pool.high_water == 3
+    pool.cache_block(a[0], b"h0")
+    pool.free_blocks(a)  # 1 and 2 hold no cached prefix: reused next; 0 keeps its prefix for a later hit
+    b = pool.get_new_blocks(2)
+    assert sorted(b) == [1, 2] and pool.high_water == 3  # no fresh block touched, nothing evicted
+    assert pool.get_cached_block(b"h0") == 0
+    c = pool.get_new_blocks(5)  # then the never-used blocks in id order, and the cached one last
+    assert c == [3, 4, 5, 6, 7] and pool.high_water == 8
+    assert pool.get_new_blocks(1) == [0] and pool.get_cached_block(b"h0") is None

@@ -47,7 +47,20 @@ def reference_tokens(model, prompt: list[int]) -> list[int]:
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-def test_greedy_batch_matches_transformers(checkpoint):
+@pytest.fixture(params=["cpu_kernels", "torch_ops"])
+def engine_paths(request, monkeypatch):
+    """Both ways the engine computes on CPU: its own C kernels and oneDNN-packed weights (the default),
+    and torch's ops alone (no C compiler, DISAGG_CPU_KERNELS=0, or a torch without weight packing)."""
+    if request.param == "torch_ops":
+        from disagg.worker.model import cpu_kernels
+        from disagg.worker.model.llama import Linear
+
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"lib": None})
+        monkeypatch.setattr(Linear, "_reorder", None)
+    return request.param
+
+
+def test_greedy_batch_matches_transformers(checkpoint, engine_paths):
     path, hf_model = checkpoint
     llm = LLM(path, max_model_len=256, num_kv_blocks=64, block_size=4)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -55,7 +68,7 @@ def test_greedy_batch_matches_transformers(checkpoint):
     assert llm.engine.kv_cache_manager.num_free_blocks == 64
 
 
-def test_batched_equals_one_at_a_time_and_survives_preemption(checkpoint):
+def test_batched_equals_one_at_a_time_and_survives_preemption(checkpoint, engine_paths):
     path, _ = checkpoint
     one = LLM(path, max_model_len=256, num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
     singles = [one.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
