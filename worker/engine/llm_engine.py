@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,13 @@ class LLMEngine:
 
     def has_pending_kv_work(self) -> bool:
         return self.scheduler.has_pending_kv_work()
+
+    def wait_for_kv_progress(self, timeout: float) -> None:
+        """Idle wait while only asynchronous KV work is pending (see KVConnectorBase.wait_for_kv_progress)."""
+        if self.worker_connector is not None:
+            self.worker_connector.wait_for_kv_progress(timeout)
+        else:
+            time.sleep(timeout)
 
     def take_kv_events(self) -> EventBatch | None:
         """Prefix-cache changes since the last call (None: none, or events are off)."""

@@ -12,6 +12,7 @@ consecutive block ids is a single transfer descriptor.
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,11 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local block ids whose asynchronous load failed since the last call."""
         return set()
+
+    def wait_for_kv_progress(self, timeout: float) -> None:
+        """Idle wait of the engine while asynchronous KV work is pending: up to `timeout` seconds, less
+        when the connector can tell that a load finished (the next step admits that request)."""
+        time.sleep(timeout)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Counters for this step (e.g. bytes transferred); None when there is nothing to report."""

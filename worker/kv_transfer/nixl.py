@@ -105,6 +105,9 @@ class NixlConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished()
 
+    def wait_for_kv_progress(self, timeout: float) -> None:
+        self._worker_side().wait_for_landed(timeout)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_block_ids_with_load_errors()
 

@@ -12,7 +12,6 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -143,9 +142,10 @@ class EngineLoop:
             self._update_metrics(engine)
             if not outputs and not engine.scheduler.has_landed_remote_kv():
                 # waiting on asynchronous KV: let transfers progress. Not when KV has just landed: the
-                # next step admits that request, and a sleep (1 ms asked, often several on a busy
-                # machine) would go straight into its time to first token
-                time.sleep(IDLE_SLEEP_S)
+                # next step admits that request; and the wait ends early when the connector sees a
+                # load finish, since a plain sleep (1 ms asked, often several on a busy machine) went
+                # straight into that request's time to first token
+                engine.wait_for_kv_progress(IDLE_SLEEP_S)
 
     def _take_commands(self, engine: Any) -> None:
         while True:
