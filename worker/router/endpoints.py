@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from disagg.worker.router import outliers
@@ -28,8 +29,10 @@ class Endpoint:
     kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
     probe_timeouts: int = 0  # readiness probes in a row that timed out
     unanswered_since: float | None = None  # when the first of those was sent (monotonic); None: the last answered
+    refused_at: float | None = None  # when its last probe failed without a timeout (refused, reset); None: it answered
     unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # 0: never judged by its probes (the hop bounds still hold)
     health: outliers.Health = field(default_factory=outliers.Health)  # hop failures and ejection (outliers.py)
+    waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
 
     def unresponsive(self) -> bool:
         """Its readiness probes have timed out for unresponsive_after_s (a hung process, a partition) - unlike a

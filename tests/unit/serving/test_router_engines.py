@@ -30,7 +30,8 @@ def test_load_is_read_from_the_shared_metric_names():
 
 
 class Servers:
-    """url -> kind: 'vllm' (no /ready), 'disagg-ready', 'disagg-starting' (/ready 503), 'down', 'slow'."""
+    """url -> kind: 'vllm' (no /ready), 'disagg-ready', 'disagg-starting' (/ready 503), 'down', 'slow',
+    'dropped' (a pooled connection the worker closed: the next request on it gets no answer; then 'vllm')."""
 
     def __init__(self, kinds: dict[str, str]):
         self.kinds, self.paths = kinds, []
@@ -43,6 +44,9 @@ class Servers:
             raise httpx.ConnectError("refused", request=request)
         if kind == "slow":
             raise httpx.ReadTimeout("timed out", request=request)
+        if kind == "dropped":
+            self.kinds[base] = "vllm"
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         if path == "/metrics":
             return httpx.Response(200, text=VLLM_METRICS if kind == "vllm" else "vllm:num_requests_running 0\n")
         if path == "/v1/models":
@@ -54,19 +58,24 @@ class Servers:
         return httpx.Response(200)  # /health
 
 
+def probe_rounds(state: RouterState, servers: Servers):
+    """rounds(n): n probe rounds of `state` against `servers`."""
+    def rounds(n: int) -> None:
+        async def go() -> None:
+            async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
+                state.client = client
+                for _ in range(n):
+                    await probe_once(state)
+        asyncio.run(go())
+    return rounds
+
+
 def probed(kinds: dict[str, str], rounds: int = 2) -> tuple[RouterState, Servers]:
     servers = Servers(kinds)
     decode = EndpointPool("decode")
     decode.set_urls(list(kinds))
     state = RouterState(EndpointPool("prefill"), decode, RouterMetrics(), probe_interval_s=0.5)
-
-    async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
-            state.client = client
-            for _ in range(rounds):
-                await probe_once(state)
-
-    asyncio.run(go())
+    probe_rounds(state, servers)(rounds)
     return state, servers
 
 
@@ -102,24 +111,37 @@ def test_a_ready_worker_that_answers_late_stays_ready_until_timeouts_repeat():
     ep = state.decode.endpoints[url]
     assert ep.ready
 
-    async def rounds(n: int) -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
-            state.client = client
-            for _ in range(n):
-                await probe_once(state)
+    rounds = probe_rounds(state, servers)
 
     servers.kinds[url] = "slow"
-    asyncio.run(rounds(3))
+    rounds(3)
     assert ep.ready and not ep.unresponsive()
     ep.unanswered_since -= ep.unresponsive_after_s  # as if the first timed-out probe was sent that long ago
-    asyncio.run(rounds(1))
+    rounds(1)
     assert not ep.ready and ep.unresponsive()
     servers.kinds[url] = "vllm"
-    asyncio.run(rounds(1))
+    rounds(1)
     assert ep.ready and ep.probe_timeouts == 0 and not ep.unresponsive()
     servers.kinds[url] = "down"
-    asyncio.run(rounds(1))
+    rounds(1)
     assert not ep.ready
+
+
+def test_a_probe_on_a_dropped_keep_alive_connection_is_asked_again_not_taken_as_a_verdict():
+    """A worker closes idle keep-alive connections; a probe that reused one just closed got no answer. Taken as
+    "not ready", a busy worker whose next probes then timed out stayed out of the pool for a minute (a CI run:
+    no decode endpoint, 503s during a vLLM scale-down). It is asked again at once on a fresh connection."""
+    url = "http://w:1"
+    state, servers = probed({url: "vllm"}, rounds=1)
+    ep = state.decode.endpoints[url]
+    servers.kinds[url] = "dropped"
+    asked = len(servers.paths)
+
+    rounds = probe_rounds(state, servers)
+
+    rounds(1)
+    assert ep.ready and ep.refused_at is None
+    assert [p for _, p in servers.paths[asked:asked + 2]] == ["/health", "/health"]
 
 
 def test_unresponsive_after_zero_never_takes_a_worker_out_by_its_probes():
@@ -130,13 +152,9 @@ def test_unresponsive_after_zero_never_takes_a_worker_out_by_its_probes():
     ep.unresponsive_after_s = 0.0
     servers.kinds[url] = "slow"
 
-    async def rounds(n: int) -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
-            state.client = client
-            for _ in range(n):
-                await probe_once(state)
+    rounds = probe_rounds(state, servers)
 
-    asyncio.run(rounds(2))
+    rounds(2)
     ep.unanswered_since -= 3600
-    asyncio.run(rounds(1))
+    rounds(1)
     assert ep.ready and not ep.unresponsive() and ep.probe_timeouts == 3

@@ -114,6 +114,7 @@ async def test_no_prefill_available_decodes_alone():
 async def test_no_decode_endpoint_is_a_clear_503():
     client, _, state = router({P1: "ok"}, {D1: "ok"})
     state.decode.endpoints[D1].ready = False
+    state.decode.endpoints[D1].refused_at = 0.0  # down: its probes are refused (not one starting: waited for)
     r = await client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503
     assert "no decode endpoint available" in r.json()["error"]["message"]
