@@ -103,12 +103,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 VLLM_ALONE_ENV = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
 STARTUP_S = {"disagg": 180, "vllm": 600}
+# where P/D's first streamed token comes from -> the router's flags for it
+FIRST_TOKEN = {"prefill": [], "decode": ["--no-early-first-token"]}
 
 
 def start_pd(tmp: Path, connector: str, engine: str, model_dir: str,
-             worker_args: list[str]) -> tuple[subprocess.Popen, str, str]:
+             worker_args: list[str], router_args: list[str] = ()) -> tuple[subprocess.Popen, str, str]:
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     spec = doc["spec"]
+    spec.setdefault("router", {})["extraArgs"] = list(router_args)
     spec["kvTransfer"]["connector"] = connector
     spec["decode"]["replicas"] = 1
     spec["model"]["source"] = {"path": model_dir}
@@ -191,25 +194,30 @@ def histogram_totals(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def stage_breakdown(before: dict, after: dict, client_ttft_mean: float) -> dict[str, float]:
+def stage_breakdown(before: dict, after: dict, client_ttft_mean: float, early: bool) -> dict[str, float]:
     """Mean seconds per request of each stage of a P/D request's TTFT, from two histogram snapshots.
     prefill compute: the prefill worker's arrival to finish (queue + forward); prefill HTTP: the rest of the
-    router's prefill hop; transfer: the decode worker's NIXL READ; decode admission: the decode worker's
-    arrival to first token minus the READ (queue, scheduler wake-ups, the first step); decode HTTP: the
-    router's decode hop to its first byte minus the decode worker's TTFT (request parsing, tokenizing,
-    streaming back); router + client: what is left of the client's TTFT (the router's own work, the relay)."""
+    router's prefill hop; router: its arrival to its first byte out (router_ttft) minus the prefill hop - with
+    the early first token the router's own work, else mostly the decode hop, split into transfer (the decode
+    worker's NIXL READ), decode admission (the decode worker's arrival to first token minus the READ: queue,
+    scheduler wake-ups, the first step) and decode HTTP (the rest: parsing, tokenizing, streaming back);
+    client: the client's TTFT minus the router's (the last hop, the client's own parsing). With the early
+    first token the decode hop's stages come after the first token: listed apart, they are not in TTFT."""
     mean = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
-    return {
-        "prefill HTTP": mean["prefill_hop"] - mean["prefill_e2e"],
-        "prefill compute": mean["prefill_e2e"],
-        "transfer": mean["xfer"],
-        "decode admission": mean["decode_ttft"] - mean["xfer"],
-        "decode HTTP": mean["router_ttft"] - mean["decode_ttft"],
-        "router + client": client_ttft_mean - mean["prefill_hop"] - mean["router_ttft"],
-    }
+    out = {"prefill HTTP": mean["prefill_hop"] - mean["prefill_e2e"], "prefill compute": mean["prefill_e2e"]}
+    decode = {"transfer": mean["xfer"], "decode admission": mean["decode_ttft"] - mean["xfer"]}
+    if early:
+        out["router"] = mean["router_ttft"] - mean["prefill_hop"]
+    else:
+        out.update(decode)
+        out["decode HTTP"] = mean["router_ttft"] - mean["prefill_hop"] - mean["decode_ttft"]
+    out["client"] = client_ttft_mean - mean["router_ttft"]
+    if early:
+        out.update({f"after the first token: {k}": v for k, v in decode.items()})
+    return out
 
 
-def measure(url: str, args: argparse.Namespace, decode: str | None) -> dict[float, dict]:
+def measure(url: str, args: argparse.Namespace, decode: str | None, early: bool = True) -> dict[float, dict]:
     asyncio.run(run_load(url, 4, 4, args.prompt_words, 4, seed=99))  # warm-up
     out = {}
     for rate in args.rates:
@@ -219,7 +227,7 @@ def measure(url: str, args: argparse.Namespace, decode: str | None) -> dict[floa
         snap = histogram_totals(stages) if stages else None
         out[rate] = asyncio.run(run_load(url, rate, args.num_requests, args.prompt_words, args.max_tokens, seed=1))
         if stages:
-            out[rate]["stages"] = stage_breakdown(snap, histogram_totals(stages), out[rate]["ttft_mean"])
+            out[rate]["stages"] = stage_breakdown(snap, histogram_totals(stages), out[rate]["ttft_mean"], early)
         if decode:
             xfer_sum = metric_sum(decode, "vllm:nixl_xfer_time_seconds_sum") - before[0]
             xfer_n = metric_sum(decode, "vllm:nixl_xfer_time_seconds_count") - before[1]
@@ -239,6 +247,9 @@ def main() -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="P/D (disagg engine): mean TTFT per stage, from the router's and workers' /metrics")
     p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
+    p.add_argument("--first-token", nargs="+", choices=list(FIRST_TOKEN), default=list(FIRST_TOKEN),
+                   help="P/D's first token: from the prefill's answer (the router's default), from the decode "
+                        "worker (router --no-early-first-token), or both, one after the other")
     pd_interference.add_arguments(p)
     args = p.parse_args()
     if "vllm" in args.engine:
@@ -262,12 +273,15 @@ def main() -> int:
                 colo = measure(url, args, None)
             finally:
                 stop(proc)
-            proc, url, decode = start_pd(tmp, args.connector, engine, model_dir, worker_args)
-            try:
-                pd = measure(url, args, decode if args.connector == "NixlConnector" else None)
-            finally:
-                stop(proc)
-            results[engine] = colo, pd
+            pds = {}
+            for mode in args.first_token:
+                proc, url, decode = start_pd(tmp, args.connector, engine, model_dir, worker_args, FIRST_TOKEN[mode])
+                try:
+                    pds[mode] = measure(url, args, decode if args.connector == "NixlConnector" else None,
+                                        early=mode == "prefill")
+                finally:
+                    stop(proc)
+            results[engine] = colo, pds
     report(args, results)
     return 0
 
@@ -277,25 +291,30 @@ def report(args: argparse.Namespace, results: dict[str, tuple[dict, dict]]) -> N
     print(f"\nP/D ({args.connector}, router + 1 prefill + 1 decode) vs 1 colocated worker, per engine; "
           f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
           f"{args.max_tokens} tokens out; times in ms")
-    print(f"{'engine':>7} {'rate/s':>7} {'setup':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>9} {'ITL p90':>9} "
+    print(f"{'engine':>7} {'rate/s':>7} {'setup':>12} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>9} {'ITL p90':>9} "
           f"{'KV xfer':>9}")
-    for engine, (colo, pd) in results.items():
+    print("  P/D first token from: prefill = the prefill's answer, streamed by the router (its default); "
+          "decode = the decode worker, after the KV transfer (router --no-early-first-token)")
+    for engine, (colo, pds) in results.items():
         for rate in args.rates:
-            for name, r in (("colocated", colo[rate]), ("P/D", pd[rate])):
+            c = colo[rate]
+            rows = [("colocated", c)] + [(f"P/D {mode}", pd[rate]) for mode, pd in pds.items()]
+            for name, r in rows:
                 xfer = (f"{ms(r['xfer_mean'])} ({r['xfer_mean'] / r['ttft_mean']:.1%} of TTFT)"
                         if "xfer_mean" in r else "")
-                print(f"{engine:>7} {rate:7.1f} {name:>10} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} "
+                print(f"{engine:>7} {rate:7.1f} {name:>12} {ms(r['ttft_p50'])} {ms(r['ttft_p90'])} "
                       f"{ms(r['itl_p50'])} {ms(r['itl_p90'])} {xfer}")
-            c, q = colo[rate], pd[rate]
-            if "stages" in q:
-                print(f"{'':>7} {'':>7} {'stages':>10} mean TTFT {ms(q['ttft_mean'])} (colocated {ms(c['ttft_mean'])}): "
-                      + ", ".join(f"{k} {v * 1000:.1f}" for k, v in q["stages"].items()))
-            print(f"{engine:>7} {rate:7.1f} {'P/D÷colo':>10} {q['ttft_p50'] / c['ttft_p50']:8.2f}x "
-                  f"{q['ttft_p90'] / c['ttft_p90']:8.2f}x {q['itl_p50'] / c['itl_p50']:8.2f}x "
-                  f"{q['itl_p90'] / c['itl_p90']:8.2f}x")
+            for mode, pd in pds.items():
+                q = pd[rate]
+                if "stages" in q:
+                    print(f"{'':>7} {'':>7} {'stages ' + mode:>12} mean TTFT {ms(q['ttft_mean'])} (colocated "
+                          f"{ms(c['ttft_mean'])}): " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in q["stages"].items()))
+                print(f"{engine:>7} {rate:7.1f} {mode + '÷colo':>12} {q['ttft_p50'] / c['ttft_p50']:8.2f}x "
+                      f"{q['ttft_p90'] / c['ttft_p90']:8.2f}x {q['itl_p50'] / c['itl_p50']:8.2f}x "
+                      f"{q['itl_p90'] / c['itl_p90']:8.2f}x")
     if args.plot:
-        runs = {f"{engine} {name}": r for engine, (colo, pd) in results.items()
-                for name, r in (("colocated", colo), (f"P/D ({args.connector})", pd))}
+        runs = {f"{engine} {name}": r for engine, (colo, pds) in results.items()
+                for name, r in [("colocated", colo)] + [(f"P/D {m} ({args.connector})", pd) for m, pd in pds.items()]}
         plot_latency_cdfs(args.plot, runs, f"P/D (router + 1 prefill + 1 decode) vs 1 colocated worker per engine: "
                           f"{args.num_requests} streaming requests per rate, ~{args.prompt_words}-word prompts, "
                           f"{args.max_tokens} tokens out")

@@ -42,11 +42,11 @@ class Fleet:
                 *connector_flags(connector, self.log_dir / "kv", lease_s), *extra]
         return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
 
-    def router(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = ()) -> str:
+    def router(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = (), name: str = "router") -> str:
         port = free_port()
         argv = [*CLI, "router", "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0.5",
                 "--prefill", *prefill, "--decode", *decode, *extra]
-        return self._start(ProcessSpec("router", argv, f"http://127.0.0.1:{port}"))
+        return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
 
     def _start(self, spec: ProcessSpec) -> str:
         proc = LocalProcess(spec, self.log_dir)

@@ -50,8 +50,9 @@ class Fleet(serving_fleet.Fleet):
     def worker(self, name: str, role: str, model: str) -> str:  # type: ignore[override]
         return super().worker(name, role, model, "SharedStorageConnector", lease_s=LEASE_S)
 
-    def router(self, prefill: list[str], decode: list[str], bounds: list[str]) -> str:  # type: ignore[override]
-        return super().router(prefill, decode, tuple(bounds))  # a later --probe-interval in bounds wins
+    def router(self, prefill: list[str], decode: list[str], bounds: list[str],  # type: ignore[override]
+               name: str = "router") -> str:
+        return super().router(prefill, decode, tuple(bounds), name)  # a later --probe-interval in bounds wins
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@
 - a frozen prefill: requests complete through the other prefill, then through decode alone when both are frozen,
   each within its bound and with the healthy run's tokens; the frozen one is ejected and used again once thawed;
 - a frozen decode: requests move to the other decode before anything streamed (a non-streamed one once the frozen
-  worker's probes time out); with both frozen a stream gets a 504 JSON error within the first-byte bound, then
-  a 503 at once while both are out; thawed, both serve again;
+  worker's probes time out); with both frozen a stream gets the prefill's first token and then an SSE error event
+  (504) within the first-byte bound, then (503) at once while both are out; thawed, both serve again. A router
+  with --no-early-first-token answers such a stream with a 504 JSON error before anything streamed;
 - afterwards nothing is left on any worker (no running requests, no pending KV, KV usage idle)."""
 from __future__ import annotations
 
@@ -39,16 +40,26 @@ def pd(tiny_model_dir, tmp_path_factory):
     decode = [fleet.worker(f"decode-{i}", "decode", tiny_model_dir) for i in range(2)]
     fleet.wait_ready()
     router = fleet.router(prefill, decode, BOUNDS + ["--probe-interval", str(PROBE_INTERVAL_S)])
+    late = fleet.router(prefill, decode, BOUNDS + ["--probe-interval", str(PROBE_INTERVAL_S), "--no-early-first-token"],
+                        name="router-late")
     fleet.wait_ready()
     healthy = {s: text(post(router, stream=s)) for s in (False, True)}
-    assert healthy[False] == healthy[True] and healthy[False]
-    yield {"fleet": fleet, "router": router, "prefill": prefill, "decode": decode, "want": healthy[False]}
+    assert healthy[False] == healthy[True] == text(post(late, stream=True)) and healthy[False]
+    yield {"fleet": fleet, "router": router, "late": late, "prefill": prefill, "decode": decode,
+           "want": healthy[False]}
     codes = fleet.stop()
     assert codes == dict.fromkeys(codes, 0), codes
 
 
 def post(router: str, stream: bool = False) -> httpx.Response:
     return httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=TOTAL_S + 30)
+
+
+def sse_events(r: httpx.Response) -> list:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]", r.text
+    return [json.loads(e) for e in events[:-1]]
 
 
 def text(r: httpx.Response) -> str:
@@ -121,33 +132,57 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
     before = timeouts(router, "decode")
     unresponsive = router_counter(router, "disagg:router_hop_timeouts_total", hop="decode", stage="unresponsive")
     with frozen(fleet.procs["decode-0"]):
-        for _ in range(3):  # not streamed: no first byte before the answer; the frozen one's probes tell
+        # not streamed: no first byte before the answer, so the frozen one's probes tell. Least-loaded may send
+        # every request to the other decode (the frozen one's last scraped load is stale and may be higher), so
+        # keep asking until one request waited on it or its probes took it out - within the probes' bound
+        deadline = time.monotonic() + PROBES_S + SLACK_S
+        waited = False
+        while True:
             r, took = timed(post, router)
             assert text(r) == pd["want"] and took < PROBES_S + SLACK_S
-            if timeouts(router, "decode") > before:
+            waited = timeouts(router, "decode") > before
+            if waited:
                 print(f"OUTCOME decode frozen, not streamed -> completed via the other decode in {took:.1f} s")
                 break
-        if timeouts(router, "decode") > before:  # a request waited on it: abandoned once its probes timed out
+            if not endpoint(router, "decode", d0)["ready"]:
+                print("OUTCOME decode frozen, not streamed -> left out by its probes before any request waited "
+                      "on it")
+                break
+            assert time.monotonic() < deadline, "the frozen decode was neither tried nor left out by its probes"
+            time.sleep(0.5)
+        if waited:  # a request waited on it: abandoned once its probes timed out
             assert router_counter(router, "disagg:router_hop_timeouts_total", hop="decode",
                                   stage="unresponsive") == unresponsive + 1
             assert timeouts(router, "decode") == before + 1
             assert endpoint(router, "decode", d0)["ejections"] >= 1
-        else:  # least-loaded sent all three to the other one, and the frozen one's probes took it out first
-            assert not endpoint(router, "decode", d0)["ready"], "three requests, none waited on the frozen decode"
-            print("OUTCOME decode frozen, not streamed -> left out by its probes before any request waited on it")
+        else:  # left out: no request waits on it again
+            r, took = timed(post, router)
+            assert text(r) == pd["want"] and took < SLACK_S and timeouts(router, "decode") == before
         with frozen(fleet.procs["decode-1"]):
+            # the prefill's token is streamed at once; the decode hop then runs past its bound
             r, took = timed(post, router, stream=True)
-            assert r.status_code == 504 and r.headers["content-type"] == "application/json", r.text
-            error = r.json()["error"]
-            assert error["type"] == "timeout" and d1 in error["message"]
+            first, *_, last = sse_events(r)
+            assert pd["want"].startswith(first["choices"][0]["text"]) and first["choices"][0]["text"]
+            error = last["error"]
+            assert error["code"] == 504 and error["type"] == "timeout" and d1 in error["message"], error
             assert FIRST_BYTE_S - 0.5 < took < FIRST_BYTE_S + SLACK_S
-            print(f"OUTCOME both decodes frozen -> 504 in {took:.1f} s")
+            print(f"OUTCOME both decodes frozen -> first token, then an SSE error (504) in {took:.1f} s")
             # both are out now (ejected, probes timing out): the next client is told at once
             r, took = timed(post, router, stream=True)
-            assert r.status_code == 503 and took < 3.0, r.text
-            assert r.json()["error"]["type"] == "service_unavailable"
-            print(f"OUTCOME both decodes out -> 503 in {took:.2f} s")
+            error = sse_events(r)[-1]["error"]
+            assert error["code"] == 503 and error["type"] == "service_unavailable" and took < 3.0, error
+            print(f"OUTCOME both decodes out -> first token, then an SSE error (503) in {took:.2f} s")
     assert router_counter(router, "disagg:router_requests_total", outcome="timeout") >= 1
+    wait_for(lambda: all(endpoint(router, "decode", u)["ready"] and not endpoint(router, "decode", u)["ejected"]
+                         for u in (d0, d1)), 30, "both decodes back")
+    late = pd["late"]
+    with frozen(fleet.procs["decode-0"], fleet.procs["decode-1"]):  # the first token from the decode worker
+        r, took = timed(post, late, stream=True)
+        assert r.status_code == 504 and r.headers["content-type"] == "application/json", r.text
+        error = r.json()["error"]
+        assert error["type"] == "timeout" and (d0 in error["message"] or d1 in error["message"])
+        assert FIRST_BYTE_S - 0.5 < took < 2 * FIRST_BYTE_S + SLACK_S  # each decode tried once
+        print(f"OUTCOME both decodes frozen, router --no-early-first-token -> 504 in {took:.1f} s")
     thawed = time.monotonic()
     wait_for(lambda: all(endpoint(router, "decode", u)["ready"] and not endpoint(router, "decode", u)["ejected"]
                          for u in (d0, d1)), 30, "both decodes back")

@@ -168,12 +168,15 @@ class LLMEngine:
             if self.scheduler_connector is not None:
                 self.scheduler_connector.validate_kv_transfer_params(token_ids, kv_transfer_params)
         self._check_sampling(sampling_params, kv_transfer_params)
+        delivered = self._delivered_tokens(sampling_params, kv_transfer_params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         text = prompt if isinstance(prompt, str) else None
         if sampling_params.n == 1:
-            self._add(Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params), text)
+            req = Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params)
+            req.forced_output_ids = delivered
+            self._add(req, text)
             return request_id
         parent = self._parents.add(request_id, sampling_params.n)
         for i in range(sampling_params.n):
@@ -201,6 +204,24 @@ class LLMEngine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
             sp.structured_output.compiled = self._grammars.compile(sp.structured_output)
+
+    def _delivered_tokens(self, sp: SamplingParams, kv_transfer_params: dict[str, Any] | None) -> tuple[int, ...]:
+        """kv_transfer_params.delivered_token_ids: the first output tokens, which the prefill engine chose and a
+        router already streamed to the client (its output_token_ids); this engine continues after them."""
+        ids = (kv_transfer_params or {}).get("delivered_token_ids")
+        if ids is None:
+            return ()
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"kv_transfer_params.delivered_token_ids must be a non-empty list of token ids in "
+                             f"[0, {vocab}), got {ids!r:.80}")
+        if sp.n != 1:
+            raise ValueError("kv_transfer_params.delivered_token_ids needs n == 1 (one choice was delivered)")
+        if len(ids) > sp.max_tokens:
+            raise ValueError(f"kv_transfer_params.delivered_token_ids has {len(ids)} tokens, more than max_tokens "
+                             f"({sp.max_tokens})")
+        return tuple(ids)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(self._parents.children_of(request_id), RequestStatus.FINISHED_ABORTED)

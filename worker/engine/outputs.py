@@ -46,6 +46,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit / remote load)
     sampling_params: Any  # SamplingParams
     num_prompt_tokens: int | None = None  # None: all of prompt_token_ids (else the rest were generated)
+    forced_output_ids: tuple[int, ...] = ()  # output i is forced_output_ids[i] (Request.forced_output_ids)
 
 
 @dataclass

@@ -60,6 +60,9 @@ class Request:
         # n > 1: a later choice waits for its first sibling's prompt KV (computed or loaded once), then shares
         # its full blocks through the prefix cache (ref counts) and computes only the partial last block
         self.wait_for: str | None = None
+        # P/D: the first output tokens, already chosen by the prefill engine and delivered to the client (the
+        # router streamed them); they replace what this engine samples at those positions
+        self.forced_output_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -255,6 +255,7 @@ class Scheduler:
             num_computed_tokens=num_computed,
             sampling_params=req.sampling_params,
             num_prompt_tokens=req.num_prompt_tokens,
+            forced_output_ids=req.forced_output_ids,
         )
         return Admission(AdmitOutcome.SCHEDULED, num_new, data)
 
@@ -407,7 +408,10 @@ class Scheduler:
         """Hand the finished request to the connector; free its blocks unless a remote reader needs them."""
         delay_free, params = False, None
         if self.connector is not None and req.status != RequestStatus.FINISHED_ERROR:
+            prefill_hop = bool((req.kv_transfer_params or {}).get("do_remote_decode"))
             delay_free, params = self.connector.request_finished(req, list(self.kv.get_block_ids(req.request_id)))
+            if prefill_hop and req.output_token_ids:  # what it chose: a router may stream it before the decode hop
+                params = {**(params or {}), "output_token_ids": list(req.output_token_ids)}
         req.kv_transfer_params = params
         self.requests.pop(req.request_id, None)
         self._skip_external_kv.discard(req.request_id)

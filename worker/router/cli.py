@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
+    p.add_argument("--no-early-first-token", dest="early_first_token", action="store_false",
+                   help="stream a P/D request's first token from the decode worker, not from the prefill's answer "
+                        "(a decode hop that fails is then a 5xx status, not an SSE error event after that token)")
     # bounds (router/timeouts.py): a hop past one fails over, or the client gets a 504 (README: Reliability)
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
     p.add_argument("--first-byte-timeout", type=float, default=120.0,
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
-                        prefix=prefix)
+                        prefix=prefix, early_first_token=args.early_first_token)
     app = build_app(state)
 
     @contextlib.asynccontextmanager

@@ -40,6 +40,9 @@ class RouterMetrics:
         self.prefix_hit_tokens = Counter("disagg:router_prefix_hit_tokens", "Of those, the tokens the chosen decode "
                                          "endpoint held in its prefix cache (by its KV events).", LABELS,
                                          registry=self.registry)
+        self.early_first_tokens = Counter("disagg:router_early_first_tokens", "Streamed requests whose first "
+                                          "token was sent from the prefill's answer, before the decode hop.", LABELS,
+                                          registry=self.registry)
         self.prefill_skipped = Counter("disagg:router_prefill_skipped", "Requests sent to decode alone because it "
                                        "held all but a few blocks of the prompt.", LABELS, registry=self.registry)
         self.kv_events_total = Counter("disagg:router_kv_events", "KV-cache events received from workers.", LABELS,
@@ -47,7 +50,7 @@ class RouterMetrics:
         self.kv_events_lost_total = Counter("disagg:router_kv_events_lost", "KV-cache event batches lost (sequence gaps "
                                       "not replayed, undecodable batches).", LABELS, registry=self.registry)
         self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
-                              "streamed byte.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
+                              "streamed byte, from the request's arrival.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
 
     def hop(self, hop: str, latency_s: float, error: bool) -> None:
         self.hop_requests.labels(self.model_name, "router", hop).inc()
@@ -66,6 +69,9 @@ class RouterMetrics:
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.model_name, "router", outcome).inc()
+
+    def early_first_token(self) -> None:
+        self.early_first_tokens.labels(self.model_name, "router").inc()
 
     def fell_back_to_decode_alone(self) -> None:
         self.decode_alone.labels(self.model_name, "router").inc()

@@ -23,8 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
+from disagg.worker.router.probes import await_ready
 from disagg.worker.router.timeouts import Deadline, HopTimeout, HopTimeouts, within
 from disagg.worker.server.protocol import error_body, sse
+from disagg.worker.server.responses import body as body_of, delta_choice
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RouterState:
     client: httpx.AsyncClient | None = None
     probe_interval_s: float = 1.0
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
     prefix: Any = None  # PrefixRouter with --policy prefix-aware (prefix_router.py), else None
 
 
@@ -54,8 +57,13 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     p = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     if "n" in p:
         p["n"] = 1
-    for name in ("stream_options", "logprobs", "top_logprobs", "echo", "min_tokens"):
+    for name in ("stream_options", "logprobs", "top_logprobs", "echo"):
         p.pop(name, None)
+    # the prefill's token may be the one the client gets first (early_first_chunk): it must obey min_tokens too
+    if isinstance(p.get("min_tokens"), int) and p["min_tokens"] > 0:
+        p["min_tokens"] = 1
+    else:
+        p.pop("min_tokens", None)
     if "max_completion_tokens" in p:
         p["max_completion_tokens"] = 1
     return p
@@ -65,6 +73,42 @@ def needs_prompt_logits(body: dict[str, Any]) -> bool:
     """Prompt logprobs (vLLM's prompt_logprobs, or echo with logprobs) need the logits of every prompt position,
     which only the worker that computes the prompt has: such a request goes to a decode worker alone."""
     return body.get("prompt_logprobs") is not None or bool(body.get("echo") and body.get("logprobs") is not None)
+
+
+def early_first_chunk(body: dict[str, Any], path: str, answer: Any, kv_params: dict[str, Any] | None) -> bytes | None:
+    """The client's first SSE chunk, made from the prefill's answer, for a streamed request the decode worker
+    can continue after it (kv_transfer_params.output_token_ids: an engine that supports
+    delivered_token_ids); None when the decode worker must stream from the first token itself.
+
+    The prefill sampled that token already (max_tokens=1) and its KV is what the decode worker reads, so
+    sending it at once takes the decode hop, the KV transfer and the decode's admission out of the time to
+    first token. Not for what the one-token answer does not carry as the full request would: logprobs, echo,
+    n > 1, and stop strings (a streamed text held back as a possible stop string's start)."""
+    if not body.get("stream") or not isinstance(kv_params, dict) or not isinstance(answer, dict):
+        return None
+    produced = kv_params.get("output_token_ids")
+    if not (isinstance(produced, list) and len(produced) == 1):
+        return None
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("echo") \
+            or body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None \
+            or body.get("stop") not in (None, "", []):
+        return None
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return None
+    chat = path.endswith("/chat/completions")
+    try:
+        (c,) = answer["choices"]
+        text = c["message"]["content"] if chat else c["text"]
+        if not isinstance(text, str):
+            return None
+        kind = "chat" if chat else "completion"
+        # the worker's own chunk, with the prefill's id and creation time (the decode worker's chunks share them)
+        chunk = body_of(kind, answer["id"], answer["model"], [delta_choice(kind, 0, text, None, None, first=True)],
+                        chunk=True, created=answer["created"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return sse(chunk)
 
 
 def check_max_tokens(body: dict[str, Any]) -> str | None:
@@ -165,6 +209,7 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     deadline = Deadline(state.timeouts)
     kv_params: dict[str, Any] | None = None
     revision: set[str | None] | None = None
+    first_chunk: bytes | None = None
     plan = await state.prefix.plan_request(body, path, state.prefill, state.decode, state.client) \
         if state.prefix is not None else None
     if plan is not None and plan.skip_prefill and state.prefill.endpoints:
@@ -174,18 +219,24 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
         if isinstance(outcome, Response):  # the request itself is bad: the decode worker would say the same
             state.metrics.request("bad_request")
             return outcome
-        kv_params, prefill_revision = outcome
+        kv_params, prefill_revision, answer = outcome
         revision = {prefill_revision} if kv_params else None
         if not kv_params:
             state.metrics.fell_back_to_decode_alone()
+        elif state.early_first_token:
+            first_chunk = early_first_chunk(body, path, answer, kv_params)
+    costs = plan.decode_costs if plan else None
+    if first_chunk is not None:
+        return _continue_after_first_chunk(state, path, body, kv_params, first_chunk, headers, deadline, revision,
+                                           costs)
     return await _decode_hop(state, path, body, kv_params, headers, deadline, stream=bool(body.get("stream")),
-                             revisions=revision, costs=plan.decode_costs if plan else None)
+                             revisions=revision, costs=costs)
 
 
 async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], headers: dict[str, str],
                        deadline: Deadline, costs: dict[str, float] | None = None
-                       ) -> tuple[dict[str, Any] | None, str | None] | Response:
-    """(kv_transfer_params for the decode hop, the prefill endpoint's revision); params None when no
+                       ) -> tuple[dict[str, Any] | None, str | None, Any] | Response:
+    """(kv_transfer_params for the decode hop, the prefill endpoint's revision, its answer); params None when no
     prefill endpoint could do it (decode alone); a Response to pass back when the prefill rejected
     the request (4xx). Prefill endpoints whose revision has a ready decode endpoint go first."""
     tried: set[str] = set()
@@ -215,14 +266,15 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], head
         if r.status_code >= 400:
             return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
         try:
-            return r.json().get("kv_transfer_params"), ep.revision
+            answer = r.json()
+            return answer.get("kv_transfer_params"), ep.revision, answer
         except (json.JSONDecodeError, AttributeError):
             logger.warning("prefill %s answered without JSON; decoding alone", ep.url)
-            return None, None
+            return None, None, None
     if state.prefill.endpoints:
         logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
                        headers["X-Request-Id"], len(state.prefill.endpoints))
-    return None, None
+    return None, None, None
 
 
 def _hop_failed(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str,
@@ -251,12 +303,69 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
                       revisions: set[str | None] | None = None, costs: dict[str, float] | None = None) -> Response:
     alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     d_body = {**alone, "kv_transfer_params": kv_params} if kv_params else alone
+    opened = await _open_decode(state, path, d_body, alone, headers, deadline, stream, revisions, costs)
+    if isinstance(opened, Response):
+        return opened
+    return StreamingResponse(_relay(state, *opened, deadline), media_type="text/event-stream", headers=headers)
+
+
+def _continue_after_first_chunk(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any],
+                                first_chunk: bytes, headers: dict[str, str], deadline: Deadline,
+                                revisions: set[str | None] | None, costs: dict[str, float] | None) -> Response:
+    """The stream starts with the prefill's token (early_first_chunk); a decode worker continues after it
+    (delivered_token_ids). The 200 is sent with that chunk, so a decode hop that fails from here on ends the
+    stream with an SSE error event, as a stream broken midway does."""
+    delivered = {"delivered_token_ids": list(kv_params["output_token_ids"])}
+    bare = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    # decoding alone (no decode of the prefill's revision is left) still continues after the delivered token
+    alone = {**bare, "kv_transfer_params": delivered}
+    d_body = {**bare, "kv_transfer_params": {**kv_params, **delivered}}
+    state.metrics.first_byte(time.monotonic() - deadline.started)
+    state.metrics.early_first_token()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield first_chunk
+        opened = await _open_decode(state, path, d_body, alone, headers, deadline, True, revisions, costs,
+                                    count_first_byte=False)
+        if isinstance(opened, Response):  # no decode worker took it: what it would have said, as an event
+            yield _as_sse_error(opened)
+            return
+        async for chunk in _relay(state, *opened, deadline):
+            yield chunk
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
+
+
+def _as_sse_error(resp: Response) -> bytes:
+    try:
+        err = json.loads(bytes(resp.body))["error"]
+        return sse_error(err["message"], resp.status_code, err.get("type") or "upstream_error")
+    except (ValueError, KeyError, TypeError):
+        return sse_error(bytes(resp.body).decode(errors="replace")[:500] or f"HTTP {resp.status_code}",
+                         resp.status_code)
+
+
+async def _open_decode(state: RouterState, path: str, d_body: dict[str, Any], alone: dict[str, Any],
+                       headers: dict[str, str], deadline: Deadline, stream: bool,
+                       revisions: set[str | None] | None, costs: dict[str, float] | None,
+                       count_first_byte: bool = True
+                       ) -> tuple[Endpoint, httpx.Response, bytes, AsyncIterator[bytes], float] | Response:
+    """A decode endpoint's answer: a stream that has its first byte (ep, response, first bytes, the rest,
+    hop start), or a Response to give the client (the whole answer when not streamed, or why none came)."""
     tried: set[str] = set()
     timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
-    received = time.monotonic()
     # a non-streamed answer has no first byte before it is complete: only the total bounds it
     stage = "first_byte" if stream else "total"
-    while deadline.remaining() > 0 and (ep := state.decode.pick(tried, revisions=revisions, costs=costs)) is not None:
+    waited = False
+    while deadline.remaining() > 0:
+        ep = state.decode.pick(tried, revisions=revisions, costs=costs)
+        if ep is None:
+            # none ready: one that answers its probes (a pod just started, in a rollout's hand-over) may be
+            # ready within the connect bound - wait for it once rather than refuse at once
+            if waited or tried or not await await_ready(state, state.decode, deadline):
+                break
+            waited = True
+            continue
         tried.add(ep.url)
         if d_body is not alone and revisions is not None and ep.revision not in revisions:
             # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
@@ -301,9 +410,9 @@ async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_pa
                 _hop_failed(state, state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
             continue
         state.decode.mark_ok(ep)
-        state.metrics.first_byte(time.monotonic() - received)
-        return StreamingResponse(_relay(state, ep, resp, first, chunks, start, deadline),
-                                 media_type="text/event-stream", headers=headers)
+        if count_first_byte:
+            state.metrics.first_byte(time.monotonic() - deadline.started)
+        return ep, resp, first, chunks, start
     return _no_decode_answer(state, tried, timed_out, deadline)
 
 

@@ -33,6 +33,12 @@ class CachedRequestState:
     generator: torch.Generator | None = field(default=None, repr=False)  # its own seed's; None: the engine's
     num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt (penalties, prompt logprobs)
     matcher: Any = field(default=None, repr=False)  # structured output's grammar matcher, or None
+    forced_output_ids: tuple[int, ...] = ()  # outputs chosen by the prefill engine (Request.forced_output_ids)
+
+    def forced_next(self) -> int | None:
+        """The next output token if it is forced, else None."""
+        k = len(self.token_ids) - self.num_prompt_tokens
+        return self.forced_output_ids[k] if k < len(self.forced_output_ids) else None
 
 
 class ModelRunner:
@@ -69,7 +75,7 @@ class ModelRunner:
             matcher = new_matcher(new.sampling_params, new.prompt_token_ids[num_prompt:])
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, gen, num_prompt, matcher,
+                new.sampling_params, gen, num_prompt, matcher, tuple(new.forced_output_ids),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -110,7 +116,8 @@ class ModelRunner:
             [s.sampling_params for s in states], [s.generator or self.generator for s in states],
             [s.token_ids for s in states], [s.num_prompt_tokens for s in states],
             [s.matcher for s in states] if any(s.matcher is not None for s in states) else [],
-            [s.req_id for s in states])
+            [s.req_id for s in states],
+            [s.forced_next() for s in states] if any(s.forced_output_ids for s in states) else [])
         token_ids, logprobs = sample_batch(logits, batch)
         for state, token_id, lp in zip(states, token_ids, logprobs):
             state.token_ids.append(token_id)

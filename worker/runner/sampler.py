@@ -27,6 +27,7 @@ class SamplingBatch:
     num_prompt_tokens: list[int] = field(default_factory=list)
     matchers: list[Any] = field(default_factory=list)  # a grammar matcher or None per row
     req_ids: list[str] = field(default_factory=list)
+    forced: list[int | None] = field(default_factory=list)  # a row's token, chosen elsewhere (P/D), or None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
@@ -44,7 +45,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int],
         apply_penalties(logits, params, batch.token_ids, batch.num_prompt_tokens)
     if batch.matchers:
         apply_grammar_masks(logits, batch.matchers)
+    # a forced row still draws, so that its generator advances as it would have choosing the token itself
     token_ids = _choose(logits, params, batch.generators)
+    if batch.forced:
+        token_ids = [t if f is None else f for t, f in zip(token_ids, batch.forced)]
     if batch.matchers:
         advance_matchers(batch.matchers, token_ids, batch.req_ids or [""] * len(token_ids))
     logprobs: list[TokenLogprobs | None] = [None] * len(params)

@@ -154,7 +154,8 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
                bool(req.stream_options and req.stream_options.include_usage), sink, engine.tokenizer, prompt_ids,
                n=sp.n, logprobs=sp.logprobs is not None, echo=bool(getattr(req, "echo", False)),
                prompt_logprobs="prompt_logprobs" in req.model_fields_set,
-               tokens_as_ids=req.return_tokens_as_token_ids, prompt_str=_prompt_str(req))
+               tokens_as_ids=req.return_tokens_as_token_ids, prompt_str=_prompt_str(req),
+               delivered=len((req.kv_transfer_params or {}).get("delivered_token_ids") or ()) if req.stream else 0)
 
 
 def _prompt_str(req: CompletionRequest | ChatCompletionRequest) -> str | None:

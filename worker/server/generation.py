@@ -43,6 +43,9 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     prompt_str: str | None = None  # the prompt as the client sent it, when it sent text (echo repeats it)
     prompt_lps: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    # P/D: the client already has the first `delivered` tokens (and, in a chat, the role): the router streamed
+    # the prefill's answer (kv_transfer_params.delivered_token_ids). A stream sends what follows them
+    delivered: int = 0
 
     def prompt_text(self) -> str:
         if self.prompt_str is not None:
@@ -142,15 +145,16 @@ def _chunk(job: Job, st: _ChoiceStream, out: RequestOutput) -> dict[str, Any] | 
     """The next chunk of out's choice, or None when it adds nothing yet."""
     c = out.outputs[0]
     st.num_tokens = len(c.token_ids)
+    text = "" if st.num_tokens <= job.delivered else out.new_text
     new_lps = (c.logprobs or [])[st.sent_logprobs:] if job.logprobs else []
-    want = bool(out.new_text or new_lps or c.finish_reason)
+    want = bool(text or new_lps or c.finish_reason)
     if not st.started and job.kind == "chat":
         want = True  # the first chunk carries the role
     elif not st.started and job.echo:
         want = bool(out.new_token_ids)  # the echo waits for the prompt's logprobs, which come with a token
     if not want:
         return None
-    text, lp = out.new_text, None
+    lp = None
     if job.kind == "completion":
         entries = list(zip(c.token_ids[st.sent_logprobs:], new_lps))
         if job.echo and not st.started:
@@ -177,8 +181,8 @@ async def _outputs(loop_: Any, job: Job, first: RequestOutput | None) -> AsyncIt
 async def stream(loop_: Any, job: Job, first: RequestOutput | None) -> AsyncIterator[bytes]:
     """SSE chunks of a job whose first output the caller took (to answer an early failure with a status)."""
     finished, last_time = False, None
-    states = {i: _ChoiceStream(LogprobsWriter(job.tokenizer, job.kind, as_ids=job.tokens_as_ids))
-              for i in range(job.n)}
+    states = {i: _ChoiceStream(LogprobsWriter(job.tokenizer, job.kind, as_ids=job.tokens_as_ids),
+                               started=job.delivered > 0) for i in range(job.n)}
     try:
         async for out in _outputs(loop_, job, first):
             last_time = observe(loop_, out, last_time)

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import waiting
 from serving_helpers import metric
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,9 @@ def test_pd_greedy_output_matches_the_colocated_worker_and_moves_kv(pd):
     ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "x"}}, 400,
      "kv_transfer_params.remote_engine_id"),
     ({"prompt": "x", "kv_transfer_params": "yes"}, 400, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {"delivered_token_ids": [-1]}}, 400, "delivered_token_ids"),
+    ({"prompt": "x", "max_tokens": 1, "kv_transfer_params": {"delivered_token_ids": [1, 2]}}, 400,
+     "more than max_tokens"),
 ])
 def test_bad_input_gets_openai_error_json_and_serving_continues(pd, body, status, needle):
     # through the router, and (kv_transfer_params is the router's own field) at a decode worker directly
@@ -95,12 +99,15 @@ def test_decode_killed_mid_stream_gives_a_clean_error_and_serving_continues(pd):
         assert r.status_code == 200
         lines = r.iter_lines()
         events.append(next(line for line in lines if line.startswith("data:")))
-        victim = next(name for name, p in pd["fleet"].procs.items() if name.startswith("decode")
-                      and metric(p.spec.url, "vllm:num_requests_running") == 1)
+        # the first token came from the prefill's answer: the decode hop may still be on its way
+        victim = waiting.wait_for(lambda: next((name for name, p in pd["fleet"].procs.items()
+                                                if name.startswith("decode")
+                                                and metric(p.spec.url, "vllm:num_requests_running") == 1), None),
+                                  30, "the decode worker streaming the request", interval=0.05)
         pd["fleet"].procs[victim].kill()
         pd["fleet"].killed.add(victim)
         events += [line for line in lines if line.startswith("data:")]
-    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502, events[-3:]
+    assert json.loads(events[-2][len("data: "):]).get("error", {}).get("code") == 502, (victim, events[-3:])
     assert events[-1] == "data: [DONE]"
     # the router (retrying on the surviving decode) and the prefill keep serving
     for i in range(4):
@@ -110,3 +117,54 @@ def test_decode_killed_mid_stream_gives_a_clean_error_and_serving_continues(pd):
     while metric(pd["prefill"], "disagg:kv_pending_sends") or metric(pd["prefill"], "vllm:kv_cache_usage_perc"):
         assert time.monotonic() < deadline, "the prefill still holds KV blocks"
         time.sleep(0.2)
+
+
+def early_first_tokens(router: str) -> float:
+    """The router's count of first tokens streamed from the prefill's answer (not rendered before the first)."""
+    lines = httpx.get(f"{router}/metrics", timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("disagg:router_early_first_tokens_total{"))
+
+
+def streamed(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}{path}", json={"model": "tiny-llama", **body}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_a_streamed_pd_answer_starts_from_the_prefills_token_and_equals_the_colocated_one(pd, chat, sampling):
+    """The router sends the prefill's token first; the decode worker continues after it (its sampler still
+    draws for that position, so a seeded request's later tokens are the colocated worker's too)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": LONG_PROMPT}]} if chat else {"prompt": LONG_PROMPT}
+    body = {**prompt, "max_tokens": 10, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
+    want = streamed(pd["reference"], path, body)
+    before = early_first_tokens(pd["router"])
+    got = streamed(pd["router"], path, body)
+    assert early_first_tokens(pd["router"]) == before + 1
+
+    def text(chunks: list[dict]) -> str:
+        return "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
+                       for c in chunks if c["choices"])
+
+    assert text(got) == text(want) and text(got)
+    assert got[-1]["usage"] == want[-1]["usage"] and got[-1]["usage"]["completion_tokens"] == 10
+    assert len({c["id"] for c in got}) == 1  # the router's first chunk and the decode's carry one id
+    assert [c["choices"][0]["finish_reason"] for c in got if c["choices"]][-1] == "length"
+    if chat:
+        assert [c["choices"][0]["delta"].get("role") for c in got if c["choices"]].count("assistant") == 1
+
+
+def test_a_streamed_request_of_one_token_finishes_after_the_prefills_token(pd):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    want = complete(pd["reference"], {**body, "stream": False}).json()
+    got = streamed(pd["router"], "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in got if c["choices"]) == want["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in got if c["choices"]] == [None, "length"]
+    assert got[-1]["usage"]["completion_tokens"] == 1

@@ -181,8 +181,9 @@ def test_delay_free_until_finished_sending(assert_all_free):
     so = s.schedule()
     outs = s.update_from_output(so, run_output(so, sched=s))
     assert outs[0].finish_reason == "length"
-    assert outs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2]}
-    assert s.kv.num_free_blocks == 16 - 3 and s.has_pending_kv_work()  # held for the reader
+    # the blocks for the reader, and the token the prefill chose (a router may stream it first)
+    assert outs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2], "output_token_ids": outs[0].new_token_ids}
+    assert outs[0].new_token_ids and s.kv.num_free_blocks == 16 - 3 and s.has_pending_kv_work()  # held for the reader
     so = s.schedule()
     s.update_from_output(so, ModelRunnerOutput.empty(KVConnectorOutput(finished_sending={"p"})))
     assert s.kv.num_free_blocks == 16 and not s.has_pending_kv_work()

@@ -72,7 +72,9 @@ def test_prefill_hop_asks_one_choice_without_logprobs_and_prompt_logprobs_skip_i
     body = {"prompt": "x", "n": 4, "logprobs": 2, "echo": True, "stream": True, "min_tokens": 3,
             "guided_regex": "a+"}
     p = prefill_body(body)
-    assert p["n"] == 1 and p["max_tokens"] == 1 and "logprobs" not in p and "min_tokens" not in p
+    assert p["n"] == 1 and p["max_tokens"] == 1 and "logprobs" not in p
+    assert p["min_tokens"] == 1  # its token may be the client's first: no EOS there when min_tokens forbids it
+    assert "min_tokens" not in prefill_body({"prompt": "x", "min_tokens": 0})
     assert p["guided_regex"] == "a+"  # the prefill samples its token under the grammar too
     assert needs_prompt_logits(body) and needs_prompt_logits({"prompt_logprobs": 0})
     assert not needs_prompt_logits({"logprobs": 2}) and not needs_prompt_logits({"echo": True})
