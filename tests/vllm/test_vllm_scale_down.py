@@ -59,7 +59,7 @@ def pd_set(vllm_executable, vllm_model_dir, tmp_path):
         assert started, "\n".join(lines)
         router.start()
         wait_for(lambda: is_ready(router.spec.url), 60, "the router")
-        wait_for(lambda: httpx.get(f"{router.spec.url}/ready").json()["decode_ready"] == 2, 30, "both decodes")
+        wait_for(lambda: httpx.get(f"{router.spec.url}/ready", timeout=60).json()["decode_ready"] == 2, 30, "both decodes")
         yield router, workers, lines
     finally:
         shutdown([router, *workers.workers], grace_s=60, say=lines.append)
@@ -91,7 +91,7 @@ def test_a_decode_leaving_under_load_loses_no_request(pd_set):
     assert leaving.exited() == 0, leaving.log_tail(40)
     assert any("leaving" in line for line in lines) and any("drained" in line for line in lines), lines
     assert len(results) >= 2 * CLIENTS
-    body = httpx.get(f"{router.spec.url}/endpoints").json()
+    body = httpx.get(f"{router.spec.url}/endpoints", timeout=60).json()
     assert [e["url"] for e in body["decode"]] == [p.spec.url for p in workers.active("decode")]
 
 

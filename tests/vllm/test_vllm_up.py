@@ -101,12 +101,14 @@ def up(vllm_executable, vllm_model_dir, reference_texts, tmp_path_factory):
 def test_disagg_up_starts_vllm_serve_from_the_builder(up):
     out = up["output"]()
     assert "engine vllm" in out and "prefill-0" in out and "decode-0" in out, out
-    assert httpx.get(f"{up['status']}/ready").status_code == 200
-    assert httpx.get(f"{up['router']}/v1/models").json()["data"][0]["id"] == MODEL
+    # a vLLM on a starved 2-core box may take longer than httpx's default 5 s to answer what the router forwards
+    assert httpx.get(f"{up['status']}/ready", timeout=60).status_code == 200
+    assert httpx.get(f"{up['router']}/v1/models", timeout=60).json()["data"][0]["id"] == MODEL
     prefill_log = (up["logs"] / "prefill-0.log").read_text()
     assert "kv_producer" in prefill_log or "NixlConnector" in prefill_log
     # the router found no /ready on vLLM and probes /health: both workers count as ready
-    assert httpx.get(f"{up['router']}/ready").json() == {"ready": True, "decode_ready": 1, "prefill_ready": 1}
+    assert httpx.get(f"{up['router']}/ready", timeout=60).json() == {"ready": True, "decode_ready": 1,
+                                                                     "prefill_ready": 1}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,6 +13,8 @@ from pathlib import Path
 import waiting
 import yaml
 
+from disagg.worker.local.launcher import FIRST_REQUEST_TIMEOUT_S
+
 VLLM_ENV = "DISAGG_VLLM"  # the `vllm` executable (the launcher .ci/install-vllm.sh writes)
 # what vLLM's CPU build needs on a small machine: a bounded KV cache (GiB). `disagg up` gives each vLLM process
 # cores of its own (launcher.vllm_cpu_bind); one vLLM alone binds to every core
@@ -37,10 +39,14 @@ def disagg_up(spec: dict, tmp: Path, vllm_executable: str, port: int, startup_s:
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     text = lambda: (tmp / "up.out").read_text()  # noqa: E731
     try:
-        waiting.wait_for(lambda: serving_mark in text() or launcher.poll() is not None, startup_s + 30,
-                         "disagg up to serve", interval=0.5)
-        assert launcher.poll() is None, text() + "".join(
-            f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-30:]) for p in (tmp / "logs").glob("*.log"))
+        # the launcher gives up by itself after startup_s (then stops its children) and its first request is
+        # bounded too: wait past both, so that what it printed says why
+        try:
+            waiting.wait_for(lambda: serving_mark in text() or launcher.poll() is not None,
+                             startup_s + FIRST_REQUEST_TIMEOUT_S + 30, "disagg up to serve", interval=0.5)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{what_it_said(tmp, text())}") from None
+        assert launcher.poll() is None, what_it_said(tmp, text())
         yield {"launcher": launcher, "output": text, "urls": dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text())),
                "logs": tmp / "logs"}
     finally:
@@ -48,3 +54,10 @@ def disagg_up(spec: dict, tmp: Path, vllm_executable: str, port: int, startup_s:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(180)
         out.close()
+
+
+def what_it_said(tmp: Path, launcher_output: str) -> str:
+    """The launcher's output and the last lines of each process's log, for a failure message."""
+    logs = sorted((tmp / "logs").glob("*.log"))
+    return f"--- disagg up\n{launcher_output}" + "".join(
+        f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]) for p in logs)

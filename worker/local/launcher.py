@@ -102,12 +102,12 @@ def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = No
     vLLM binds every process to all cores by default; several on one machine then share each core with the
     others' threads, and every OpenMP barrier waits for a descheduled peer: three vLLM processes on 2 cores
     generated 0.1-1.4 tokens/s, where one core each serves normally. So the machine's cores are split among
-    the most workers the spec can run (max replicas with autoscaling): prefill slots first, then decode; with
-    fewer cores than workers each gets one core and they share round-robin."""
+    the most workers the spec can run (max replicas with autoscaling; a role with none gets none): prefill slots
+    first, then decode; with fewer cores than workers each gets one core and they share round-robin."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     slots = {r: (getattr(spec.autoscaling, r).max_replicas if spec.autoscaling.enabled else getattr(spec, r).replicas)
              for r in ("prefill", "decode")}
-    slots = {r: max(n, 1) for r, n in slots.items()}
+    slots[role] = max(slots[role], 1)  # this worker runs, whatever the spec says of its role's count
     total = slots["prefill"] + slots["decode"]
     slot = (index % slots["prefill"]) if role == "prefill" else slots["prefill"] + index % slots["decode"]
     if len(cores) < total:
@@ -176,11 +176,14 @@ def curl_example(url: str, model: str) -> str:
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
+FIRST_REQUEST_TIMEOUT_S = 60.0
+
+
 def first_request(url: str, model: str) -> str:
     """The curl example's request, sent once through the router: shows the whole P/D flow working."""
     body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "temperature": 0}
     try:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=FIRST_REQUEST_TIMEOUT_S)
     except httpx.HTTPError as e:
         return f"request failed: {type(e).__name__}: {e}"
     return r.text if r.status_code != 200 else json.dumps({"choices": r.json()["choices"], "usage": r.json()["usage"]})

@@ -221,6 +221,8 @@ def test_local_vllm_processes_get_cores_of_their_own():
     assert binds == ["0,1", "2,3", "4,5"]  # 8 cores // 3 slots, the rest left free
     assert [vllm_cpu_bind(spec, r, i, cores=[0, 1]) for r, i in (("prefill", 0), ("decode", 0), ("decode", 1))] \
         == ["0", "1", "0"]
+    decode_only = parse_spec({**vllm, "prefill": {"replicas": 0}, "decode": {**LOCAL["decode"], "replicas": 2}})
+    assert [vllm_cpu_bind(decode_only, "decode", i, cores=list(range(8))) for i in (0, 1)] == ["0,1,2,3", "4,5,6,7"]
     auto = parse_spec({**vllm, "autoscaling": {"enabled": True, "prefill": {"minReplicas": 1, "maxReplicas": 2},
                                                "decode": {"minReplicas": 1, "maxReplicas": 2}}})
     assert vllm_cpu_bind(auto, "decode", 1, cores=list(range(8))) == "6,7"  # sized for the max replicas
