@@ -12,7 +12,7 @@ import pytest
 from serving_helpers import NIXL_MISSING, metric, nixl_available
 
 from scenario import MODEL, PROMPT, component, cr_manifest, delete_and_wait, live_pods, pod_url, router_url, \
-    wait_ready
+    wait_ready, wait_router_pairs
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)]
 NAME = "serve"
@@ -33,6 +33,7 @@ def test_cr_serves_openai_completions_through_the_router_pod_and_deleting_it_end
     log = (cluster.log_dir / f"default_{pods['prefill'][0]['metadata']['name']}_prefill.log").read_text()
     assert f"side channel {prefill_ip}:5600" in log, log[-2000:]
 
+    wait_router_pairs(cluster, NAME)  # else the first requests may go decode-alone (correct, but no KV moves)
     router = router_url(cluster, NAME)
     with httpx.Client(timeout=60) as http:
         # plain completion
