@@ -2,8 +2,9 @@
 
 It imports only the engine it runs (vLLM lives in its own virtual environment, without disagg), so it
 must not import disagg at module level. Reads a case file written by the driver (checkpoint directory,
-prompts as token ids, new tokens per request), warms the engine up on a few prompts, times one
-generate of the whole case and prints one JSON line prefixed with RESULT:
+prompts as token ids, new tokens per request), warms the engine up on a few prompts, times `repeats` generates of the whole case (the same engine
+object each time: the first may still pay for lazy set-up, e.g. vLLM's compiled shapes) and prints one JSON
+line prefixed with RESULT: the median seconds and CPU seconds, every timing, the tokens
 
     python bench/engine_run.py {ours,vllm,transformers} CASE.json
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 
 
 def cpu_seconds() -> float:
@@ -34,20 +37,16 @@ def cpu_seconds() -> float:
     return total
 
 
-def run_ours(case: dict) -> tuple[list[list[int]], float, float, float]:
+def run_ours(case: dict) -> tuple[Callable[[], list[list[int]]], float]:
     from disagg.worker import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(case["model"], max_model_len=case["max_model_len"], max_num_seqs=len(case["prompts"]),
               max_num_batched_tokens=case["max_num_batched_tokens"], enable_prefix_caching=False)
     startup = time.perf_counter() - t0
-    n = case["new_tokens"]
-    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=case["new_tokens"], temperature=0, ignore_eos=True)
     llm.generate(case["prompts"][:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
-    t, c = time.perf_counter(), cpu_seconds()
-    outs = llm.generate(case["prompts"], sp)
-    elapsed, cpu = time.perf_counter() - t, cpu_seconds() - c
-    return [list(o.outputs[0].token_ids) for o in outs], elapsed, cpu, startup
+    return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(case["prompts"], sp)], startup
 
 
 def _patch_vllm_version() -> None:
@@ -62,7 +61,7 @@ def _patch_vllm_version() -> None:
     md.version = version
 
 
-def run_vllm(case: dict) -> tuple[list[list[int]], float, float, float]:
+def run_vllm(case: dict) -> tuple[Callable[[], list[list[int]]], float]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     _patch_vllm_version()
@@ -78,13 +77,10 @@ def run_vllm(case: dict) -> tuple[list[list[int]], float, float, float]:
     sp = SamplingParams(max_tokens=case["new_tokens"], temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
-    t, c = time.perf_counter(), cpu_seconds()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    elapsed, cpu = time.perf_counter() - t, cpu_seconds() - c
-    return [list(o.outputs[0].token_ids) for o in outs], elapsed, cpu, startup
+    return lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)], startup
 
 
-def run_transformers(case: dict) -> tuple[list[list[int]], float, float, float]:
+def run_transformers(case: dict) -> tuple[Callable[[], list[list[int]]], float]:
     import torch
     import transformers
 
@@ -101,11 +97,14 @@ def run_transformers(case: dict) -> tuple[list[list[int]], float, float, float]:
     with torch.no_grad():
         hf.generate(input_ids=ids[:4], attention_mask=mask[:4], max_new_tokens=4, min_new_tokens=4,
                     do_sample=False, pad_token_id=0)
-        t, c = time.perf_counter(), cpu_seconds()
+
+    @torch.no_grad()
+    def generate() -> list[list[int]]:
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, pad_token_id=0)
-        elapsed, cpu = time.perf_counter() - t, cpu_seconds() - c
-    return out[:, width:].tolist(), elapsed, cpu, startup
+        return out[:, width:].tolist()
+
+    return generate, startup
 
 
 def main() -> None:
@@ -115,16 +114,19 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.case_file) as f:
         case = json.load(f)
-    if args.engine == "ours":
-        tokens, elapsed, cpu, startup = run_ours(case)
-    elif args.engine == "vllm":
-        tokens, elapsed, cpu, startup = run_vllm(case)
-    else:
-        tokens, elapsed, cpu, startup = run_transformers(case)
+    runner = {"ours": run_ours, "vllm": run_vllm, "transformers": run_transformers}[args.engine]
+    generate, startup = runner(case)
     wanted = case["new_tokens"] * len(case["prompts"])
-    if sum(len(t) for t in tokens) != wanted:
-        sys.exit(f"{args.engine}: generated {sum(len(t) for t in tokens)} tokens, expected {wanted}")
-    print("RESULT:" + json.dumps({"seconds": elapsed, "cpu_s": cpu, "startup_s": startup, "tokens": tokens}), flush=True)
+    times, cpu_times, tokens = [], [], []
+    for _ in range(case.get("repeats", 1)):  # the same generate again: steady state, and a median per process
+        t, c = time.perf_counter(), cpu_seconds()
+        tokens = generate()
+        times.append(time.perf_counter() - t)
+        cpu_times.append(cpu_seconds() - c)
+        if sum(len(x) for x in tokens) != wanted:
+            sys.exit(f"{args.engine}: generated {sum(len(x) for x in tokens)} tokens, expected {wanted}")
+    print("RESULT:" + json.dumps({"seconds": statistics.median(times), "cpu_s": statistics.median(cpu_times),
+                                  "all_s": times, "startup_s": startup, "tokens": tokens}), flush=True)
 
 
 if __name__ == "__main__":

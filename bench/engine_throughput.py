@@ -2,7 +2,8 @@
 
 Same random-weight Llama checkpoint (default 4 layers, hidden 512, saved as a Hugging Face checkpoint),
 same prompts (token ids), greedy, float32 on CPU, EOS ignored. Every run is its own process
-(bench/engine_run.py, with that engine's interpreter); rounds alternate the engines (the order rotates
+(bench/engine_run.py, with that engine's interpreter) that times --repeats generates after a warm-up and
+reports their median; rounds alternate the engines (the order rotates
 each round) so that outside load hits all of them alike. Per case it prints each engine's median tok/s
 (and range), the ratios of ours to the others, start-up medians, and how many requests' greedy tokens
 agree with ours. Besides wall-clock tok/s it gives tokens per CPU-second of the timed generate (the
@@ -12,7 +13,7 @@ process and its children): under outside load wall time measures the neighbours,
   long:     8 prompts of 1024-2047 tokens x 64 new tokens
   decode64: 64 prompts of 16-127 tokens x 128 new tokens (high-concurrency decode)
 
-    python bench/engine_throughput.py [--rounds 5] [--cases batch32,long,decode64]
+    python bench/engine_throughput.py [--rounds 5] [--repeats 3] [--cases batch32,long,decode64]
         [--vllm-python /path/to/.venv-vllm/bin/python] [--ours-before /work/main/.venv/bin/python]
 
 vLLM runs only when --vllm-python is given (its CPU build lives in its own venv, see
@@ -53,13 +54,13 @@ CASES = {
 }
 
 
-def write_case(case: Case, model: str, vocab: int, path: Path) -> None:
+def write_case(case: Case, model: str, vocab: int, path: Path, repeats: int) -> None:
     rng = random.Random(f"prompts-{case.name}")
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(case.min_prompt, case.max_prompt))]
                for _ in range(case.batch)]
     max_len = max(len(p) for p in prompts) + case.new_tokens
     spec = {"model": model, "prompts": prompts, "new_tokens": case.new_tokens,
-            "max_model_len": -(-max_len // 256) * 256, "max_num_batched_tokens": 8192}
+            "max_model_len": -(-max_len // 256) * 256, "max_num_batched_tokens": 8192, "repeats": repeats}
     path.write_text(json.dumps(spec))
 
 
@@ -112,6 +113,9 @@ def summarise(case: Case, results: dict[str, list[dict]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed generates per process (their median is the run's figure; the first may include "
+                         "lazy set-up such as vLLM's compiled shapes)")
     ap.add_argument("--cases", default="batch32,long,decode64")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
@@ -154,7 +158,7 @@ def main() -> None:
 def run_case(case: Case, model: str, vocab: int, engines: list[tuple[str, str, list[str]]], tmp: Path,
              args: argparse.Namespace) -> None:
     case_file = tmp / f"{case.name}.json"
-    write_case(case, model, vocab, case_file)
+    write_case(case, model, vocab, case_file, args.repeats)
     results: dict[str, list[dict]] = {e: [] for e, _, _ in engines}
     for rnd in range(args.rounds):
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
@@ -163,7 +167,8 @@ def run_case(case: Case, model: str, vocab: int, engines: list[tuple[str, str, l
             r = run_once(python, engine, case_file, extra, args.timeout)
             results[engine].append(r)
             print(f"  [{case.name} round {rnd + 1}] {engine:14s} {case.batch * case.new_tokens / r['seconds']:7.1f}"
-                  f" tok/s  (process {time.perf_counter() - t:.0f} s, load {r['load_before']:.1f})", flush=True)
+                  f" tok/s  (repeats {', '.join(f'{case.batch * case.new_tokens / x:.0f}' for x in r['all_s'])};"
+                  f" process {time.perf_counter() - t:.0f} s, load {r['load_before']:.1f})", flush=True)
     summarise(case, results)
 
 
