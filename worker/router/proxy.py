@@ -100,7 +100,9 @@ def early_first_chunk(body: dict[str, Any], path: str, answer: Any, kv_params: d
     try:
         (c,) = answer["choices"]
         text = c["message"]["content"] if chat else c["text"]
-        if not isinstance(text, str):
+        if not isinstance(text, str) or text.endswith("\ufffd"):
+            # U+FFFD: the token is part of a character (byte-level tokens); a stream holds such text back until
+            # the character is complete, so the decode worker must render it with the tokens that follow
             return None
         kind = "chat" if chat else "completion"
         # the worker's own chunk, with the prefill's id and creation time (the decode worker's chunks share them)

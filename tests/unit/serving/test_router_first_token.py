@@ -215,3 +215,16 @@ def test_the_first_chunk_needs_the_prefills_text():
     assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), None) is None
     two = {**KV, "output_token_ids": [1, 2]}
     assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), two) is None
+
+
+def test_a_first_token_that_is_part_of_a_character_streams_from_the_decode():
+    """A byte-level token can be the first bytes of a UTF-8 character: alone it decodes to U+FFFD, which a stream
+    holds back until the next tokens complete the character. Sent early it showed up twice (seen through disagg
+    up: the stream read '\ufffd\ufffd into ...' where the full answer read '\ufffd into ...')."""
+    partial = prefill_answer(False)
+    partial["choices"][0]["text"] = "\ufffd"
+    assert early_first_chunk({"stream": True}, "/v1/completions", partial, KV) is None
+    chat = prefill_answer(True)
+    chat["choices"][0]["message"]["content"] = "ab\ufffd"
+    assert early_first_chunk({"stream": True}, "/v1/chat/completions", chat, KV) is None
+    assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), KV) is not None
