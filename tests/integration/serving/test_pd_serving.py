@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import httpx
 import pytest
-import waiting
+from serving_fleet import signal_group
 from serving_helpers import metric
 
 pytestmark = pytest.mark.slow
@@ -91,22 +92,39 @@ def test_32_concurrent_requests_complete_and_leave_no_kv_held(pd):
     assert metric(pd["prefill"], "vllm:time_to_first_token_seconds_count") >= 32
 
 
+def streaming_decode(router: str) -> str | None:
+    """The decode endpoint the router is relaying a stream from (its one outstanding request), or None."""
+    busy = [e["url"] for e in httpx.get(f"{router}/endpoints", timeout=10).json()["decode"] if e["outstanding"]]
+    return busy[0] if len(busy) == 1 else None
+
+
 def test_decode_killed_mid_stream_gives_a_clean_error_and_serving_continues(pd):
     body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    events: list[str] = []
-    with httpx.stream("POST", f"{pd['router']}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        events.append(next(line for line in lines if line.startswith("data:")))
-        # the first token came from the prefill's answer: the decode hop may still be on its way
-        victim = waiting.wait_for(lambda: next((name for name, p in pd["fleet"].procs.items()
-                                                if name.startswith("decode")
-                                                and metric(p.spec.url, "vllm:num_requests_running") == 1), None),
-                                  30, "the decode worker streaming the request", interval=0.05)
-        pd["fleet"].procs[victim].kill()
-        pd["fleet"].killed.add(victim)
-        events += [line for line in lines if line.startswith("data:")]
+    decodes = {p.spec.url: p for name, p in pd["fleet"].procs.items() if name.startswith("decode")}
+    for attempt in range(3):
+        events: list[str] = []
+        with httpx.stream("POST", f"{pd['router']}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = (line for line in r.iter_lines() if line.startswith("data:"))
+            # the first token comes from the prefill's answer, the second from the decode worker: then freeze both
+            # decodes, so that the stream cannot finish (400 tokens take ~1 s) while the test finds which one it is
+            events += [next(lines), next(lines)]
+            for p in decodes.values():
+                signal_group(p, signal.SIGSTOP)
+            try:
+                victim = streaming_decode(pd["router"])
+                if victim is not None:
+                    decodes[victim].kill()
+                    pd["fleet"].killed.add(decodes[victim].spec.name)
+            finally:
+                for p in decodes.values():
+                    signal_group(p, signal.SIGCONT)
+            events += list(lines)
+        if victim is not None:
+            break
+        print(f"attempt {attempt}: the stream had ended before both decodes were frozen")  # a starved test process
+    assert victim is not None, "the stream ended each time before the test could freeze the decode workers"
     assert json.loads(events[-2][len("data: "):]).get("error", {}).get("code") == 502, (victim, events[-3:])
     assert events[-1] == "data: [DONE]"
     # the router (retrying on the surviving decode) and the prefill keep serving
