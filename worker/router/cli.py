@@ -98,6 +98,20 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+# Workers' HTTP servers (uvicorn, ours and vLLM's) close a connection left idle for 5 s. A request written to a
+# pooled connection just as the worker closes it is reset unanswered - httpx's default keep-alive expiry is also
+# 5 s, and a CI run's decode hop failed that way (ReadError; with no other decode left, the client got a 503).
+# The router drops idle connections well before any worker would (uvicorn's timeout_keep_alive default, which
+# vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE keeps).
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def worker_client() -> httpx.AsyncClient:
+    """The router's one client for every hop, probe and scrape."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(limits=limits)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
@@ -151,8 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(limits=limits) as client:
+        async with worker_client() as client:
             state.client = client
             tasks = [asyncio.ensure_future(probe_forever(state))]
             if discovery is not None:
