@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from disagg.worker.ports import free_port
+
 
 def git_blob_sha(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
@@ -121,12 +123,6 @@ class HubServer:
             data = f.read_bytes()
             return 200, {"ETag": f'"{git_blob_sha(data)}"', "X-Repo-Commit": commit}, data
         return 404, {}, b"not found"
-
-
-def free_port() -> int:
-    from disagg.worker.ports import free_port as free
-
-    return free()
 
 
 def moto_executable() -> str | None:

@@ -136,6 +136,11 @@ def _cpu_f32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and load() is not None
 
 
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """t (T, heads, head_dim) with each token's heads one contiguous run (rows may be strided: a QKV slice)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def can_norm(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> bool:
     """Whether add_rms_norm can serve x (rows, dim) with this weight (dim,) and delta (x's shape or None)."""
     ts = [x, weight] if delta is None else [x, weight, delta]
@@ -153,8 +158,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
 
 def can_rotate(x: torch.Tensor, cos_table: torch.Tensor) -> bool:
     """Whether rotary can serve x (T, heads, head_dim), each token's heads contiguous, with this table."""
-    return (x.dim() == 3 and x.shape[2] % 2 == 0 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cos_table.is_contiguous() and cos_table.shape[-1] == x.shape[2] // 2 and _cpu_f32(x, cos_table))
+    return (_heads_contiguous(x) and x.shape[2] % 2 == 0 and cos_table.is_contiguous() and cos_table.shape[-1] == x.shape[2] // 2 and _cpu_f32(x, cos_table))
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
@@ -186,7 +190,7 @@ def write_kv_rows(kv_cache: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Te
     k_rows, v_rows: (T,) int64. Call can_write() first."""
     T, row = k.shape[0], k.shape[1] * k.shape[2]
     for name, t in (("k", k), ("v", v)):
-        if t.shape != k.shape or t.stride(2) != 1 or t.stride(1) != k.shape[2]:
+        if t.shape != k.shape or not _heads_contiguous(t):
             raise ValueError(f"write_kv_rows: {name} {tuple(t.shape)} strides {t.stride()}: each token's "
                              f"{k.shape[1]} heads x {k.shape[2]} must be contiguous")
     k_rows, v_rows = k_rows.to(torch.int64).contiguous(), v_rows.to(torch.int64).contiguous()
@@ -203,12 +207,9 @@ def write_kv_rows(kv_cache: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Te
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, n_kv_heads: int) -> bool:
     """Whether paged_decode_attention can serve this layer's decode (else the torch path does)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+    if not _cpu_f32(q, kv_cache) or not kv_cache.is_contiguous() or q.shape[1] % n_kv_heads:
         return False
-    if not kv_cache.is_contiguous() or q.shape[1] % n_kv_heads:
-        return False
-    lib = load()
-    return lib is not None and bool(lib.disagg_paged_decode_attention_limits(q.shape[1], q.shape[2]))
+    return bool(load().disagg_paged_decode_attention_limits(q.shape[1], q.shape[2]))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, block_tables: torch.Tensor,
@@ -245,9 +246,8 @@ def supports_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether prefill_attention (and paged_prefill_attention, with k and v the cache's shape of a row) can
     serve these (T, heads, head_dim) views: float32 on CPU, each token's heads contiguous, a head_dim and query
     group the kernel handles (else torch's SDPA does)."""
-    if not _cpu_f32(q, k, v) or q.dim() != 3 or k.shape != v.shape or q.shape[1] % k.shape[1]:
-        return False
-    if any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v)):
+    if not _cpu_f32(q, k, v) or not all(_heads_contiguous(t) for t in (q, k, v)) or k.shape != v.shape \
+            or q.shape[1] % k.shape[1]:
         return False
     return bool(load().disagg_prefill_attention_limits(q.shape[1] // k.shape[1], q.shape[2]))
 
