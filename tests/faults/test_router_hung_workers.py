@@ -85,6 +85,18 @@ def timed(fn, *args, **kw) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - t0
 
 
+def router_sees_idle(router: str, role: str, urls: tuple[str, ...]) -> None:
+    """The router's view of these endpoints is idle: ready, not ejected, no load and no KV in use by their
+    last /metrics - so ties rotate and each is chosen in turn (a request a frozen worker got from a client that
+    gave up runs once it is thawed, and its scraped load would steer every request to the other)."""
+    wait_idle(list(urls))
+
+    def idle() -> bool:
+        eps = [endpoint(router, role, u) for u in urls]
+        return all(e["ready"] and not e["ejected"] and e["load"] == 0 and e["kv_usage"] == 0 for e in eps)
+    wait_for(idle, 30, f"the router sees {role} {urls} idle")
+
+
 def served(url: str) -> float:
     return router_counter(url, "vllm:request_success_total")
 
@@ -119,6 +131,7 @@ def test_frozen_prefill_fails_over_to_the_other_then_to_decode_alone_and_comes_b
     wait_for(lambda: all(endpoint(router, "prefill", u)["ready"] and not endpoint(router, "prefill", u)["ejected"]
                          for u in (p0, p1)), 30, "both prefills back")
     print(f"OUTCOME prefills thawed -> restored in {time.monotonic() - thawed:.1f} s")
+    router_sees_idle(router, "prefill", (p0, p1))
     start = served(p0)
     for _ in range(4):
         assert text(post(router)) == pd["want"]
@@ -187,6 +200,7 @@ def test_frozen_decode_moves_to_the_other_then_both_frozen_is_a_504_before_anyth
     wait_for(lambda: all(endpoint(router, "decode", u)["ready"] and not endpoint(router, "decode", u)["ejected"]
                          for u in (d0, d1)), 30, "both decodes back")
     print(f"OUTCOME decodes thawed -> restored in {time.monotonic() - thawed:.1f} s")
+    router_sees_idle(router, "decode", (d0, d1))
     start = served(d0)
     for stream in (False, True, False, True):
         assert text(post(router, stream=stream)) == pd["want"]

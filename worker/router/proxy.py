@@ -138,9 +138,12 @@ def build_app(state: RouterState) -> FastAPI:
 
     @app.get("/endpoints")
     async def endpoints() -> Response:
-        """The current membership (who scales workers waits here until a removed one is gone)."""
-        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding,
-                             "ejected": e in pool.ejected(), "ejections": e.health.ejections}
+        """The current membership (who scales workers waits here until a removed one is gone) and what the
+        policy weighs: load (requests in flight from here, or running + waiting by the worker's last /metrics)
+        and KV cache usage."""
+        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding, "load": e.load(),
+                             "kv_usage": e.kv_usage, "ejected": e in pool.ejected(),
+                             "ejections": e.health.ejections}
                             for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
         return JSONResponse(body)
 

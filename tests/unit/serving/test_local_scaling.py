@@ -60,12 +60,15 @@ async def test_router_lists_its_membership_at_endpoints():
     prefill.set_urls(["http://p:1"])
     decode.set_urls(["http://d:1"])
     decode.endpoints["http://d:1"].outstanding = 3
+    decode.endpoints["http://d:1"].reported_load, decode.endpoints["http://d:1"].kv_usage = 5.0, 0.25
     client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(RouterState(prefill, decode, RouterMetrics()))),
                                base_url="http://router")
     body = (await client.get("/endpoints")).json()
     idle = {"ejected": False, "ejections": 0}
-    assert body == {"prefill": [{"url": "http://p:1", "ready": False, "outstanding": 0, **idle}],
-                    "decode": [{"url": "http://d:1", "ready": False, "outstanding": 3, **idle}]}
+    assert body == {"prefill": [{"url": "http://p:1", "ready": False, "outstanding": 0, "load": 0.0, "kv_usage": 0.0,
+                                 **idle}],
+                    "decode": [{"url": "http://d:1", "ready": False, "outstanding": 3, "load": 5.0, "kv_usage": 0.25,
+                                **idle}]}
 
 
 # ---------------------------------------------------------------- the plan
