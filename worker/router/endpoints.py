@@ -98,6 +98,12 @@ class EndpointPool:
             endpoint.revision = revisions.get(url)
             endpoint.unresponsive_after_s = self.unresponsive_after_s
 
+    @property
+    def scrapes_metrics(self) -> bool:
+        """Least-loaded and prefix-aware weigh each worker's own /metrics (running + waiting, KV usage), which
+        the probes scrape; round-robin weighs nothing."""
+        return self.policy != "round-robin"
+
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
         ready = [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
         now = self.clock()

@@ -98,7 +98,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
     ep.ready = ready
     if not scrape:
         return
-    if ready and state.prefill.policy != "round-robin":
+    if ready and state.prefill.scrapes_metrics:  # one policy for both pools
         await _scrape_load(state, ep, timeout)
     if ready and state.metrics.model_name == "":
         try:

@@ -140,9 +140,10 @@ def build_app(state: RouterState) -> FastAPI:
     async def endpoints() -> Response:
         """The current membership (who scales workers waits here until a removed one is gone) and what the
         policy weighs: load (requests in flight from here, or running + waiting by the worker's last /metrics)
-        and KV cache usage."""
+        and KV cache usage. Round-robin scrapes no /metrics: its load is this router's requests in flight and
+        its KV usage is null (unknown), not 0."""
         body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding, "load": e.load(),
-                             "kv_usage": e.kv_usage, "ejected": e in pool.ejected(),
+                             "kv_usage": e.kv_usage if pool.scrapes_metrics else None, "ejected": e in pool.ejected(),
                              "ejections": e.health.ejections}
                             for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
         return JSONResponse(body)

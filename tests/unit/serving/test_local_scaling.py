@@ -71,6 +71,18 @@ async def test_router_lists_its_membership_at_endpoints():
                                 **idle}]}
 
 
+@pytest.mark.asyncio
+async def test_round_robin_router_shows_no_kv_usage_it_never_scraped():
+    prefill, decode = EndpointPool("prefill", "round-robin"), EndpointPool("decode", "round-robin")
+    prefill.set_urls(["http://p:1"])
+    decode.set_urls(["http://d:1"])
+    decode.endpoints["http://d:1"].outstanding = 2
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(RouterState(prefill, decode, RouterMetrics()))),
+                               base_url="http://router")
+    [d] = (await client.get("/endpoints")).json()["decode"]
+    assert d["load"] == 2.0 and d["kv_usage"] is None
+
+
 # ---------------------------------------------------------------- the plan
 SCALED = {"model": {"servedName": "tiny"}, "prefill": {"replicas": 1}, "decode": {"replicas": 5},
           "autoscaling": {"enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 2}}}
