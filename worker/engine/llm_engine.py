@@ -18,7 +18,9 @@ from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
 from disagg.worker.runner.host_malloc import tune_malloc
 from disagg.worker.runner.kv_cache_memory import KVPrefaulter, allocate_kv_cache, is_lazy_mapping
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole
+from disagg.worker.kv_transfer.connectors import handoff_fields_of
 from disagg.worker.kv_transfer.factory import create_connector
+from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.model import Tokenizer, load_model
 from disagg.worker.runner.model_runner import ModelRunner
 from disagg.worker.engine.outputs import EngineCoreOutput, SchedulerOutput
@@ -141,9 +143,10 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: Handoff | dict[str, Any] | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError naming what is wrong (nothing is queued)."""
+        """Validate and queue a request; raises ValueError naming what is wrong (nothing is queued).
+        kv_transfer_params: the P/D hand-off, parsed or as JSON (vLLM's keys)."""
         sampling_params = sampling_params or SamplingParams()
         sampling_params.validate()
         if isinstance(prompt, str):
@@ -162,26 +165,26 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                 "(prompt plus at least one new token must fit)"
             )
+        handoff = None
         if kv_transfer_params is not None:
-            if not isinstance(kv_transfer_params, dict):
-                raise ValueError(f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}")
+            handoff = Handoff.parse(kv_transfer_params, handoff_fields_of(self.config.kv_transfer_config.kv_connector))
             if self.scheduler_connector is not None:
-                self.scheduler_connector.validate_kv_transfer_params(token_ids, kv_transfer_params)
-        self._check_sampling(sampling_params, kv_transfer_params)
-        delivered = self._delivered_tokens(sampling_params, kv_transfer_params)
+                self.scheduler_connector.validate_kv_transfer_params(token_ids, handoff)
+        self._check_sampling(sampling_params, handoff)
+        delivered = self._delivered_tokens(sampling_params, handoff)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         text = prompt if isinstance(prompt, str) else None
         if sampling_params.n == 1:
-            req = Request(request_id, token_ids, sampling_params, self.eos_token_ids, kv_transfer_params)
+            req = Request(request_id, token_ids, sampling_params, self.eos_token_ids, handoff)
             req.forced_output_ids = delivered
             self._add(req, text)
             return request_id
         parent = self._parents.add(request_id, sampling_params.n)
         for i in range(sampling_params.n):
             req = Request(parent.child_id(i), token_ids, parent.child_params(sampling_params, i), self.eos_token_ids,
-                          kv_transfer_params if i == 0 else None)
+                          handoff if i == 0 else None)
             req.wait_for = parent.child_id(0) if i else None
             self._add(req, text)
         return request_id
@@ -190,14 +193,14 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.output_processor.add_request(req, prompt)
 
-    def _check_sampling(self, sp: SamplingParams, kv_transfer_params: dict[str, Any] | None) -> None:
+    def _check_sampling(self, sp: SamplingParams, handoff: Handoff | None) -> None:
         """What only the engine can check (vocabulary, grammar); compiles the structured output."""
         vocab = self.model_config.vocab_size
         bad = [t for t in [*sp.logit_bias, *sp.stop_token_ids] if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias / stop_token_ids: token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {vocab})")
-        if sp.n > 1 and kv_transfer_params and kv_transfer_params.get("do_remote_decode"):
+        if sp.n > 1 and handoff is not None and handoff.is_prefill_hop:
             raise ValueError("n must be 1 on a prefill hop (do_remote_decode): the decode worker forks the choices")
         sp.eos_token_ids = self.eos_token_ids
         if sp.structured_output is not None and sp.structured_output.compiled is None:
@@ -205,17 +208,16 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
             sp.structured_output.compiled = self._grammars.compile(sp.structured_output)
 
-    def _delivered_tokens(self, sp: SamplingParams, kv_transfer_params: dict[str, Any] | None) -> tuple[int, ...]:
+    def _delivered_tokens(self, sp: SamplingParams, handoff: Handoff | None) -> tuple[int, ...]:
         """kv_transfer_params.delivered_token_ids: the first output tokens, which the prefill engine chose and a
         router already streamed to the client (its output_token_ids); this engine continues after them."""
-        ids = (kv_transfer_params or {}).get("delivered_token_ids")
-        if ids is None:
+        ids = handoff.delivered_token_ids if handoff is not None else ()
+        if not ids:
             return ()
         vocab = self.model_config.vocab_size
-        if not isinstance(ids, list) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        if not all(t < vocab for t in ids):
             raise ValueError(f"kv_transfer_params.delivered_token_ids must be a non-empty list of token ids in "
-                             f"[0, {vocab}), got {ids!r:.80}")
+                             f"[0, {vocab}), got {list(ids)!r:.80}")
         if sp.n != 1:
             raise ValueError("kv_transfer_params.delivered_token_ids needs n == 1 (one choice was delivered)")
         if len(ids) > sp.max_tokens:
@@ -274,7 +276,8 @@ class LLMEngine:
             if ro.finished and out.finish_reason is None:  # stopped by a stop string
                 req = self.scheduler.requests.get(out.req_id)
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
-                ro.kv_transfer_params = req.kv_transfer_params if req is not None else None
+                handoff = req.kv_transfer_params if req is not None else None
+                ro.kv_transfer_params = handoff.to_wire() if handoff is not None else None
             ro.request_id, ro.outputs[0].index, ro.finished = self._parents.resolve(out.req_id, ro.finished)
             if (out.new_token_ids and len(ro.outputs[0].token_ids) == len(out.new_token_ids)
                     and ro.outputs[0].index == 0):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.worker.kv_transfer.handoff import Handoff
+
 
 @dataclass
 class KVConnectorOutput:
@@ -77,7 +79,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]  # tokens appended this step
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or string
-    kv_transfer_params: dict[str, Any] | None = None  # for the decode side (P/D), set on finish
+    kv_transfer_params: Handoff | None = None  # for the decode side (P/D), set on finish
     error: str | None = None  # with finish_reason "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV, not computed here
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks for logprobs

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_transfer.handoff import Handoff
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,14 +40,14 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: Handoff | None = None,
         arrival_time: float | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_transfer_params = kv_transfer_params  # in: remote prefill info; out: set by request_finished
+        self.kv_transfer_params = kv_transfer_params  # P/D hand-off in; out: set by request_finished
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in this engine's cache

@@ -37,7 +37,7 @@ class RequestOutput:
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by this output (streaming)
     new_text: str = ""  # text added by this output (streaming)
-    kv_transfer_params: dict[str, Any] | None = None  # P/D: hand to the decode worker
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: hand to the decode worker (Handoff.to_wire())
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV
     metrics: RequestMetrics | None = None
@@ -114,7 +114,7 @@ class OutputProcessor:
             finished=finished,
             new_token_ids=list(out.new_token_ids),
             new_text=new_text,
-            kv_transfer_params=out.kv_transfer_params,
+            kv_transfer_params=out.kv_transfer_params.to_wire() if out.kv_transfer_params is not None else None,
             error=out.error,
             num_cached_tokens=out.num_cached_tokens,
             metrics=state.metrics,

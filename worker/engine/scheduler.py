@@ -19,6 +19,7 @@ from typing import Any
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.kv_transfer.base import KVTransferParamsError
+from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -408,10 +409,12 @@ class Scheduler:
         """Hand the finished request to the connector; free its blocks unless a remote reader needs them."""
         delay_free, params = False, None
         if self.connector is not None and req.status != RequestStatus.FINISHED_ERROR:
-            prefill_hop = bool((req.kv_transfer_params or {}).get("do_remote_decode"))
+            prefill_hop = req.kv_transfer_params is not None and req.kv_transfer_params.is_prefill_hop
             delay_free, params = self.connector.request_finished(req, list(self.kv.get_block_ids(req.request_id)))
+            if isinstance(params, dict):  # a vLLM-style connector's answer
+                params = Handoff.parse(params)
             if prefill_hop and req.output_token_ids:  # what it chose: a router may stream it before the decode hop
-                params = {**(params or {}), "output_token_ids": list(req.output_token_ids)}
+                params = (params or Handoff()).with_output(req.output_token_ids)
         req.kv_transfer_params = params
         self.requests.pop(req.request_id, None)
         self._skip_external_kv.discard(req.request_id)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the scheduler side never imports torch
 
     from disagg.worker.engine.request import Request
     from disagg.worker.engine.outputs import SchedulerOutput
+    from disagg.worker.kv_transfer.handoff import Handoff
 
 
 class KVConnectorRole(enum.Enum):
@@ -130,8 +131,9 @@ class KVConnectorBase(ABC):
         """Release connector resources (threads, registered memory, sockets)."""
 
     # ---------------- scheduler role ----------------
-    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: dict[str, Any]) -> None:
-        """Reject malformed kv_transfer_params when the request arrives (raise KVTransferParamsError)."""
+    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: "Handoff") -> None:
+        """Reject a hand-off this connector cannot act on when the request arrives (raise KVTransferParamsError).
+        It is already parsed (handoff.Handoff: well-formed, the connector's declared extra keys type-checked)."""
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -151,9 +153,12 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: Any) -> None:
         """The scheduler saw the step's KVConnectorOutput (e.g. to track finished sends)."""
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """(delay_free, kv_transfer_params). delay_free=True keeps the blocks until
-        finished_sending reports the request."""
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, "Handoff | dict[str, Any] | None"]:
+        """(delay_free, kv_transfer_params for the decode side: a Handoff, or a vLLM-style dict the scheduler
+        parses). delay_free=True keeps the blocks until finished_sending reports the request.
+        `request.kv_transfer_params` is the request's Handoff (None without one); like vLLM's params dict it
+        answers `.get(key)` by wire key."""
         return False, None
 
     def get_pending_counts(self) -> dict[str, int]:

@@ -2,16 +2,15 @@
 
 Everything that depends on which connector is chosen derives from these declarations: the factory's names
 (factory.py), the worker's `--kv-*` flags (server/args.py), the names the CRD accepts (operator/spec.py) and the
-flags the operator and `disagg up` put on a worker's command line (operator/worker_command.py). An out-of-tree
+flags the operator and `disagg up` put on a worker's command line (operator/worker_command.py) and the hand-off
+keys the HTTP layer checks (handoff.py). An out-of-tree
 connector ("package.module:Class") needs no declaration; it gets its settings from --kv-connector-extra-config.
 
 Standard library only: the operator image (no torch, no nixl) imports this module.
 """
 from __future__ import annotations
 
-import importlib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,9 +36,9 @@ class ConnectorDeclaration:
     settings: tuple[ConnectorSetting, ...] = ()
     # True: the workers must share a filesystem (on Kubernetes a ReadWriteMany PVC, spec.kvTransfer.sharedStorage)
     needs_shared_storage: bool = False
-    # "package.module:function" that parses a request's kv_transfer_params, raising ValueError naming the bad
-    # field; the HTTP layer calls it before the request reaches the engine (a 400, not a failed request)
-    params_check: str | None = None
+    # keys it reads from the P/D hand-off beyond the common ones (handoff.Handoff) -> their JSON type; the HTTP
+    # layer checks them before the request reaches the engine (a 400 naming the key, not a failed request)
+    handoff_fields: tuple[tuple[str, type], ...] = ()
 
 
 _SIDE_CHANNEL_HOST = ConnectorSetting(
@@ -53,13 +52,10 @@ _SHARED_STORAGE_PATH = ConnectorSetting(
 
 CONNECTORS: dict[str, ConnectorDeclaration] = {d.name: d for d in (
     ConnectorDeclaration("NixlConnector", "disagg.worker.kv_transfer.nixl:NixlConnector",
-                         (_SIDE_CHANNEL_HOST, _SIDE_CHANNEL_PORT),
-                         params_check="disagg.worker.kv_transfer.nixl_params:parse_nixl_params"),
-    # the same P/D hand-off fields as NIXL (do_remote_decode / do_remote_prefill + remote_*): malformed ones are a
-    # 400 here too, although this connector finds the KV by the prompt's hash
+                         (_SIDE_CHANNEL_HOST, _SIDE_CHANNEL_PORT), handoff_fields=(("tp_size", int),)),
+    # takes the common hand-off too (a router sends it), although it finds the KV by the prompt's hash
     ConnectorDeclaration("SharedStorageConnector", "disagg.worker.kv_transfer.shared_storage:SharedStorageConnector",
-                         (_SHARED_STORAGE_PATH,), needs_shared_storage=True,
-                         params_check="disagg.worker.kv_transfer.nixl_params:parse_nixl_params"),
+                         (_SHARED_STORAGE_PATH,), needs_shared_storage=True),
 )}
 
 
@@ -77,13 +73,10 @@ def declaration_of(connector: str) -> ConnectorDeclaration | None:
     return CONNECTORS.get(connector)
 
 
-def params_check_of(connector: str | None) -> Callable[[dict], object] | None:
-    """The declared kv_transfer_params check of a built-in connector (imported on first use), else None."""
+def handoff_fields_of(connector: str | None) -> dict[str, type]:
+    """The hand-off keys a built-in connector declares it reads (none for an out-of-tree one)."""
     declaration = CONNECTORS.get(connector or "")
-    if declaration is None or declaration.params_check is None:
-        return None
-    module, _, name = declaration.params_check.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return dict(declaration.handoff_fields) if declaration is not None else {}
 
 
 def connector_problem(connector: str) -> str | None:

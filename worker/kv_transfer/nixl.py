@@ -17,7 +17,8 @@ As in vLLM, NixlConnector is a facade over one of two sides, chosen by role: Nix
 background thread and the scheduler is asked again next step until it is done) and NixlConnectorWorker
 (nixl_worker.py: KV registration, side channel, READs). They share only nixl_metadata.py. NIXL's
 progress thread is off (it burns a core); our own ProgressThread (nixl_progress.py) owns the agent and
-posts and progresses every transfer, so a READ never runs inside an engine step (see nixl_worker.py). kv_transfer_params are parsed by nixl_params.parse_nixl_params.
+posts and progresses every transfer, so a READ never runs inside an engine step (see nixl_worker.py).
+kv_transfer_params arrive parsed (handoff.Handoff: its `remote` names the prefill engine and blocks).
 
 extra config: side_channel_host (bind; default 127.0.0.1), side_channel_advertise_host (what
 peers dial; default the bind host), side_channel_port (0 = pick a free port), lease_seconds
@@ -41,6 +42,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
+from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.kv_transfer.nixl_metadata import NixlConnectorMetadata, NixlSettings
 from disagg.worker.kv_transfer.nixl_scheduler import NixlConnectorScheduler
 from disagg.worker.kv_transfer.nixl_worker import NixlConnectorWorker
@@ -115,7 +117,7 @@ class NixlConnector(KVConnectorBase):
         return self._worker_side().get_kv_connector_stats()
 
     # ---------------- scheduler role
-    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: dict[str, Any]) -> None:
+    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: Handoff) -> None:
         self._scheduler_side().validate_kv_transfer_params(prompt_token_ids, params)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -130,7 +132,7 @@ class NixlConnector(KVConnectorBase):
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Handoff | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
     def get_pending_counts(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVTransferParamsError
 from disagg.worker.kv_transfer.nixl_metadata import LoadSpec, NixlConnectorMetadata, NixlSettings, lease_over
-from disagg.worker.kv_transfer.nixl_params import NixlParams, parse_nixl_params
+from disagg.worker.kv_transfer.handoff import Handoff, RemoteKV
 from disagg.worker.kv_transfer.side_channel import (
     EngineMetadata,
     SideChannelError,
@@ -45,22 +45,26 @@ class NixlConnectorScheduler:
         self._consumed: set[str] = set()  # requests whose remote prefill was handled (or given up)
 
     # -------- decode side: reading a prompt's KV
-    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: dict[str, Any]) -> None:
-        p = parse_nixl_params(params)
-        if not p.do_remote_prefill:
+    def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: Handoff) -> None:
+        if params.remote is None:
             return
-        needed = -(-len(prompt_token_ids) // self.block_size)
-        if len(p.remote_block_ids) != needed:
+        ids = params.remote.block_ids
+        if ids and isinstance(ids[0], tuple):
             raise KVTransferParamsError(
-                f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)} ids but the prompt's "
+                "kv_transfer_params.remote_block_ids: one list per KV-cache group (vLLM's layout) does not fit "
+                "this engine, which has one group: expected a flat list of block ids")
+        needed = -(-len(prompt_token_ids) // self.block_size)
+        if len(ids) != needed:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids has {len(ids)} ids but the prompt's "
                 f"{len(prompt_token_ids)} tokens fill {needed} blocks of {self.block_size}"
             )
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        p = _params(request)
-        if not p.do_remote_prefill or request.request_id in self._consumed or request.num_output_tokens:
+        p = _remote(request)
+        if p is None or request.request_id in self._consumed or request.num_output_tokens:
             return 0, False
-        if lease_over(p.remote_lease_expires_at, self.settings.lease_margin):
+        if lease_over(p.lease_expires_at, self.settings.lease_margin):
             self._remote_unusable(request, "the prefill engine's lease on this request's KV has run out")
             return 0, False
         peer = self._peer_for(request, p)
@@ -73,7 +77,7 @@ class NixlConnectorScheduler:
                 f"prefill engine {peer.engine_id} is incompatible with this engine: "
                 + ", ".join(f"{k} {peer.compat.get(k)!r} != {self._local_compat.get(k)!r}" for k in differing)
             )
-        out_of_range = [b for b in p.remote_block_ids if b >= peer.num_blocks]
+        out_of_range = [b for b in p.block_ids if b >= peer.num_blocks]
         if out_of_range:
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_block_ids {out_of_range[:8]} are outside prefill engine "
@@ -81,12 +85,12 @@ class NixlConnectorScheduler:
             )
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def _peer_for(self, request: "Request", p: NixlParams) -> EngineMetadata | None:
+    def _peer_for(self, request: "Request", p: RemoteKV) -> EngineMetadata | None:
         """Cached or freshly fetched metadata of the request's prefill engine; None while the
         handshake runs, or when it failed under policy recompute (the request is then consumed)."""
-        key = (p.remote_host, p.remote_port)
+        key = (p.host, p.port)
         peer = self._peers.get(key)
-        if peer is not None and peer.engine_id == p.remote_engine_id:
+        if peer is not None and peer.engine_id == p.engine_id:
             return peer
         future, deadline = self._handshakes.get(key, (None, 0.0))
         if future is None:
@@ -109,9 +113,9 @@ class NixlConnectorScheduler:
         except SideChannelError as e:
             return self._remote_unusable(request, f"handshake with the prefill engine failed: {e}")
         self._peers[key] = peer
-        if peer.engine_id != p.remote_engine_id:
+        if peer.engine_id != p.engine_id:
             return self._remote_unusable(
-                request, f"the engine at {key[0]}:{key[1]} is {peer.engine_id}, not {p.remote_engine_id} "
+                request, f"the engine at {key[0]}:{key[1]} is {peer.engine_id}, not {p.engine_id} "
                 "(the prefill engine restarted; its blocks are gone)")
         return peer
 
@@ -123,20 +127,20 @@ class NixlConnectorScheduler:
         return None
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
-        p = _params(request)
-        if not num_external_tokens or not p.do_remote_prefill or request.request_id in self._consumed:
+        p = _remote(request)
+        if not num_external_tokens or p is None or request.request_id in self._consumed:
             return
         self._consumed.add(request.request_id)
-        key = (p.remote_host, p.remote_port)
+        key = (p.host, p.port)
         start = request.num_prompt_tokens - num_external_tokens  # block-aligned (local prefix hit)
         first = start // self.block_size
         # the last prompt token is recomputed for its logits: read the blocks up to the one before it
         last = (request.num_prompt_tokens - 2) // self.block_size
         n = max(0, last - first + 1) if request.num_prompt_tokens >= 2 else 0
         self._pending_loads.append(LoadSpec(
-            request.request_id, p.remote_request_id, self._peers[key],
-            list(block_ids[first : first + n]), list(p.remote_block_ids[first : first + n]),
-            p.remote_lease_expires_at,
+            request.request_id, p.request_id, self._peers[key],
+            list(block_ids[first : first + n]), list(p.block_ids[first : first + n]),
+            p.lease_expires_at,
         ))
         self._loading[request.request_id] = key
 
@@ -155,9 +159,10 @@ class NixlConnectorScheduler:
                 self._peers.pop(key, None)  # maybe restarted: handshake again next time
 
     # -------- prefill side: keeping a prompt's KV for a reader
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Handoff | None]:
         self._consumed.discard(request.request_id)
-        if not _params(request).do_remote_decode or request.status.finish_reason in ("abort", "error"):
+        handoff = request.kv_transfer_params
+        if handoff is None or not handoff.is_prefill_hop or request.status.finish_reason in ("abort", "error"):
             return False, None
         n = -(-request.num_prompt_tokens // self.block_size)
         if len(block_ids) < n:
@@ -165,17 +170,9 @@ class NixlConnectorScheduler:
         s = self.settings
         self._new_sends[request.request_id] = time.monotonic() + s.lease_seconds
         self._sending.add(request.request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": s.engine_id,
-            "remote_block_ids": list(block_ids[:n]),
-            "remote_host": s.advertise_host,
-            "remote_port": s.port,
-            "remote_request_id": request.request_id,
-            "remote_lease_expires_at": time.time() + s.lease_seconds,
-            "tp_size": 1,
-        }
+        remote = RemoteKV(s.engine_id, tuple(block_ids[:n]), s.advertise_host, s.port, request.request_id,
+                          time.time() + s.lease_seconds)
+        return True, Handoff(do_remote_decode=False, do_remote_prefill=True, remote=remote, extra={"tp_size": 1})
 
     def get_pending_counts(self) -> dict[str, int]:
         return {"pending_sends": len(self._sending), "pending_loads": len(self._loading)}
@@ -185,6 +182,6 @@ class NixlConnectorScheduler:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _params(request: "Request") -> NixlParams:
-    """The request's parsed params (checked when it arrived, so parsing again cannot fail)."""
-    return parse_nixl_params(request.kv_transfer_params or {})
+def _remote(request: "Request") -> RemoteKV | None:
+    """Where the request's prompt KV is, when it reads remote KV (checked when it arrived)."""
+    return request.kv_transfer_params.remote if request.kv_transfer_params is not None else None

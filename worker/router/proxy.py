@@ -21,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
 from disagg.worker.router.probes import await_ready
@@ -54,7 +55,7 @@ class RouterState:
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The first hop: compute the prompt, produce one token, keep the KV for the decode worker."""
     # n choices fork on the decode worker from one prefill; logprobs are the decode's to compute
-    p = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    p = dict(body, max_tokens=1, stream=False, kv_transfer_params=Handoff.prefill_request().to_wire())
     if "n" in p:
         p["n"] = 1
     for name in ("stream_options", "logprobs", "top_logprobs", "echo"):
@@ -75,7 +76,7 @@ def needs_prompt_logits(body: dict[str, Any]) -> bool:
     return body.get("prompt_logprobs") is not None or bool(body.get("echo") and body.get("logprobs") is not None)
 
 
-def early_first_chunk(body: dict[str, Any], path: str, answer: Any, kv_params: dict[str, Any] | None) -> bytes | None:
+def early_first_chunk(body: dict[str, Any], path: str, answer: Any, kv_params: Handoff | None) -> bytes | None:
     """The client's first SSE chunk, made from the prefill's answer, for a streamed request the decode worker
     can continue after it (kv_transfer_params.output_token_ids: an engine that supports
     delivered_token_ids); None when the decode worker must stream from the first token itself.
@@ -84,10 +85,9 @@ def early_first_chunk(body: dict[str, Any], path: str, answer: Any, kv_params: d
     sending it at once takes the decode hop, the KV transfer and the decode's admission out of the time to
     first token. Not for what the one-token answer does not carry as the full request would: logprobs, echo,
     n > 1, and stop strings (a streamed text held back as a possible stop string's start)."""
-    if not body.get("stream") or not isinstance(kv_params, dict) or not isinstance(answer, dict):
+    if not body.get("stream") or kv_params is None or not isinstance(answer, dict):
         return None
-    produced = kv_params.get("output_token_ids")
-    if not (isinstance(produced, list) and len(produced) == 1):
+    if len(kv_params.output_token_ids) != 1:
         return None
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("echo") \
             or body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None \
@@ -213,7 +213,7 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     deadline = Deadline(state.timeouts)
-    kv_params: dict[str, Any] | None = None
+    kv_params: Handoff | None = None
     revision: set[str | None] | None = None
     first_chunk: bytes | None = None
     plan = await state.prefix.plan_request(body, path, state.prefill, state.decode, state.client) \
@@ -241,8 +241,8 @@ async def route(state: RouterState, request: Request, path: str) -> Response:
 
 async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], headers: dict[str, str],
                        deadline: Deadline, costs: dict[str, float] | None = None
-                       ) -> tuple[dict[str, Any] | None, str | None, Any] | Response:
-    """(kv_transfer_params for the decode hop, the prefill endpoint's revision, its answer); params None when no
+                       ) -> tuple[Handoff | None, str | None, Any] | Response:
+    """(the hand-off for the decode hop, the prefill endpoint's revision, its answer); None when no
     prefill endpoint could do it (decode alone); a Response to pass back when the prefill rejected
     the request (4xx). Prefill endpoints whose revision has a ready decode endpoint go first."""
     tried: set[str] = set()
@@ -273,10 +273,16 @@ async def _prefill_hop(state: RouterState, path: str, body: dict[str, Any], head
             return Response(r.content, status_code=r.status_code, media_type="application/json", headers=headers)
         try:
             answer = r.json()
-            return answer.get("kv_transfer_params"), ep.revision, answer
+            params = answer.get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
             logger.warning("prefill %s answered without JSON; decoding alone", ep.url)
             return None, None, None
+        try:
+            handoff = Handoff.parse(params) if params else None
+        except HandoffError as e:
+            logger.warning("prefill %s answered a malformed hand-off (%s); decoding alone", ep.url, e)
+            return None, None, None
+        return handoff, ep.revision, answer
     if state.prefill.endpoints:
         logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
                        headers["X-Request-Id"], len(state.prefill.endpoints))
@@ -304,28 +310,28 @@ def _hop_timed_out(state: RouterState, pool: EndpointPool, ep: Endpoint, hop: st
     _hop_failed(state, pool, ep, hop, start, f"timed out ({e.stage}): {e}", timed_out=True)
 
 
-async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
+async def _decode_hop(state: RouterState, path: str, body: dict[str, Any], kv_params: Handoff | None,
                       headers: dict[str, str], deadline: Deadline, stream: bool,
                       revisions: set[str | None] | None = None, costs: dict[str, float] | None = None) -> Response:
     alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    d_body = {**alone, "kv_transfer_params": kv_params} if kv_params else alone
+    d_body = {**alone, "kv_transfer_params": kv_params.to_wire()} if kv_params else alone
     opened = await _open_decode(state, path, d_body, alone, headers, deadline, stream, revisions, costs)
     if isinstance(opened, Response):
         return opened
     return StreamingResponse(_relay(state, *opened, deadline), media_type="text/event-stream", headers=headers)
 
 
-def _continue_after_first_chunk(state: RouterState, path: str, body: dict[str, Any], kv_params: dict[str, Any],
+def _continue_after_first_chunk(state: RouterState, path: str, body: dict[str, Any], kv_params: Handoff,
                                 first_chunk: bytes, headers: dict[str, str], deadline: Deadline,
                                 revisions: set[str | None] | None, costs: dict[str, float] | None) -> Response:
     """The stream starts with the prefill's token (early_first_chunk); a decode worker continues after it
     (delivered_token_ids). The 200 is sent with that chunk, so a decode hop that fails from here on ends the
     stream with an SSE error event, as a stream broken midway does."""
-    delivered = {"delivered_token_ids": list(kv_params["output_token_ids"])}
+    delivered = kv_params.output_token_ids
     bare = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     # decoding alone (no decode of the prefill's revision is left) still continues after the delivered token
-    alone = {**bare, "kv_transfer_params": delivered}
-    d_body = {**bare, "kv_transfer_params": {**kv_params, **delivered}}
+    alone = {**bare, "kv_transfer_params": Handoff.delivered_only(delivered).to_wire()}
+    d_body = {**bare, "kv_transfer_params": kv_params.delivering(delivered).to_wire()}
     state.metrics.first_byte(time.monotonic() - deadline.started)
     state.metrics.early_first_token()
 

@@ -138,13 +138,13 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
     engine = loop_.engine
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
     req = parse_request(await request.body(), engine.served_model_name, model_cls)
-    check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
+    handoff = check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
     prompt_ids = _prompt_token_ids(engine, req)
     sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     engine_id = state.next_engine_id(request_id)
     try:
-        sink = await loop_.add(prompt_ids, sp, engine_id, req.kv_transfer_params)
+        sink = await loop_.add(prompt_ids, sp, engine_id, handoff)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
@@ -155,7 +155,7 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
                n=sp.n, logprobs=sp.logprobs is not None, echo=bool(getattr(req, "echo", False)),
                prompt_logprobs="prompt_logprobs" in req.model_fields_set,
                tokens_as_ids=req.return_tokens_as_token_ids, prompt_str=_prompt_str(req),
-               delivered=len((req.kv_transfer_params or {}).get("delivered_token_ids") or ()) if req.stream else 0)
+               delivered=len(handoff.delivered_token_ids) if handoff is not None and req.stream else 0)
 
 
 def _prompt_str(req: CompletionRequest | ChatCompletionRequest) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 from disagg.worker.server.metrics import EngineSnapshot, WorkerMetrics
 from disagg.worker.engine.request_output import RequestOutput
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_transfer.handoff import Handoff
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class _Add:
     prompt: str | list[int]
     sampling_params: SamplingParams
     request_id: str
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: Handoff | None
     sink: asyncio.Queue  # receives RequestOutputs, then None after the final one
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -78,7 +79,7 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- requests (event loop side)
     async def add(self, prompt: str | list[int], sp: SamplingParams, request_id: str,
-                  kv_transfer_params: dict[str, Any] | None) -> asyncio.Queue:
+                  kv_transfer_params: Handoff | None) -> asyncio.Queue:
         """Queue a request; raises ValueError (bad input) as the engine would. Returns the output queue."""
         if not self.ready:
             raise RuntimeError(self.dead or "engine is not loaded")

@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from disagg.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from disagg.worker.server.structured_fields import StructuredFields
-from disagg.worker.kv_transfer.connectors import params_check_of
+from disagg.worker.kv_transfer.connectors import handoff_fields_of
+from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
 
 
 MAX_N = 16  # choices per request at most
@@ -194,21 +195,18 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
 
 
-def check_kv_transfer_params(params: Any, connector: str | None) -> None:
-    """Reject what the worker's connector could not act on, naming the field (raises APIError 400), with the
-    check the connector declares (kv_transfer/connectors.py)."""
+def check_kv_transfer_params(params: Any, connector: str | None) -> Handoff | None:
+    """The request's P/D hand-off, parsed (handoff.py) with the keys the worker's connector declares
+    (kv_transfer/connectors.py); what it could not act on is an APIError 400 naming the field."""
     if params is None:
-        return
+        return None
     if not connector:
         raise APIError(400, "kv_transfer_params: this worker has no KV connector (--kv-connector)",
                        param="kv_transfer_params")
-    check = params_check_of(connector)
-    if check is None:  # an out-of-tree connector checks its own params in the engine
-        return
     try:
-        check(params)
-    except ValueError as e:
-        raise APIError(400, str(e), param=getattr(e, "param", None) or "kv_transfer_params") from None
+        return Handoff.parse(params, handoff_fields_of(connector))
+    except HandoffError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 # ---------------------------------------------------------------- responses

@@ -6,6 +6,7 @@ import pytest
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
+from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
 from disagg.worker.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from disagg.worker.engine.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ def make_scheduler(num_blocks=16, connector=None, **cfg) -> Scheduler:
 
 def make_req(req_id, n_prompt, max_tokens=3, kv=None) -> Request:
     prompt = [1000 * (ord(req_id[0]) - 90) + i for i in range(n_prompt)]  # no shared prefixes
-    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), {EOS}, kv)
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), {EOS},
+                   Handoff(**kv) if kv else None)
 
 
 def run_output(so: SchedulerOutput, token=7, kv_output=None, sched=None) -> ModelRunnerOutput:
@@ -182,7 +184,7 @@ def test_delay_free_until_finished_sending(assert_all_free):
     outs = s.update_from_output(so, run_output(so, sched=s))
     assert outs[0].finish_reason == "length"
     # the blocks for the reader, and the token the prefill chose (a router may stream it first)
-    assert outs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2], "output_token_ids": outs[0].new_token_ids}
+    assert outs[0].kv_transfer_params.to_wire() == {"remote_block_ids": [0, 1, 2], "output_token_ids": outs[0].new_token_ids}
     assert outs[0].new_token_ids and s.kv.num_free_blocks == 16 - 3 and s.has_pending_kv_work()  # held for the reader
     so = s.schedule()
     s.update_from_output(so, ModelRunnerOutput.empty(KVConnectorOutput(finished_sending={"p"})))

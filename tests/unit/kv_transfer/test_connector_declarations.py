@@ -26,16 +26,12 @@ class ExampleConnector(SharedStorageConnector):  # a real connector class for th
     pass
 
 
-def reject_all(params: dict) -> None:
-    raise ValueError("kv_transfer_params.example: this connector takes none")
-
-
 @pytest.fixture
 def declared(monkeypatch):
     setting = connectors.ConnectorSetting("--kv-example-port", "example_port", int, "example port",
                                           "side_channel_port")
     declaration = connectors.ConnectorDeclaration("ExampleConnector", f"{__name__}:ExampleConnector", (setting,),
-                                                  params_check=f"{__name__}:reject_all")
+                                                  handoff_fields=(("example", str),))
     monkeypatch.setitem(connectors.CONNECTORS, declaration.name, declaration)
     return declaration
 
@@ -56,7 +52,7 @@ def test_a_declared_connector_is_accepted_started_and_loaded_by_name(declared):
     assert config.kv_connector == "ExampleConnector" and config.kv_connector_extra_config["example_port"] == 8101
     assert resolve_connector_class(config) is ExampleConnector
     with pytest.raises(APIError) as e:
-        check_kv_transfer_params({"x": 1}, "ExampleConnector")
+        check_kv_transfer_params({"example": 1}, "ExampleConnector")
     assert e.value.status == 400 and "example" in e.value.message
 
 

@@ -12,10 +12,12 @@ import pytest
 
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.router.proxy import RouterState, build_app, early_first_chunk
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
       "remote_port": 1, "remote_request_id": "r", "output_token_ids": [42]}
+HKV = Handoff.parse(KV)
 P1, D1, D2 = "http://p1:1", "http://d1:1", "http://d2:1"
 
 
@@ -211,10 +213,10 @@ async def test_decoding_alone_on_another_revision_still_continues_after_the_deli
 
 
 def test_the_first_chunk_needs_the_prefills_text():
-    assert early_first_chunk({"stream": True}, "/v1/completions", {"choices": []}, KV) is None
+    assert early_first_chunk({"stream": True}, "/v1/completions", {"choices": []}, HKV) is None
     assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), None) is None
     two = {**KV, "output_token_ids": [1, 2]}
-    assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), two) is None
+    assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), Handoff.parse(two)) is None
 
 
 def test_a_first_token_that_is_part_of_a_character_streams_from_the_decode():
@@ -223,8 +225,8 @@ def test_a_first_token_that_is_part_of_a_character_streams_from_the_decode():
     up: the stream read '\ufffd\ufffd into ...' where the full answer read '\ufffd into ...')."""
     partial = prefill_answer(False)
     partial["choices"][0]["text"] = "\ufffd"
-    assert early_first_chunk({"stream": True}, "/v1/completions", partial, KV) is None
+    assert early_first_chunk({"stream": True}, "/v1/completions", partial, HKV) is None
     chat = prefill_answer(True)
     chat["choices"][0]["message"]["content"] = "ab\ufffd"
-    assert early_first_chunk({"stream": True}, "/v1/chat/completions", chat, KV) is None
-    assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), KV) is not None
+    assert early_first_chunk({"stream": True}, "/v1/chat/completions", chat, HKV) is None
+    assert early_first_chunk({"stream": True}, "/v1/completions", prefill_answer(False), HKV) is not None
