@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +168,9 @@ def test_validate_prints_every_problem_with_its_path(tmp_path: Path, capsys: pyt
 
 
 def test_crd_command_writes_and_checks(tmp_path: Path):
-    args = argparse.Namespace(output_dir=tmp_path, check=True, stdout=False)
+    args = argparse.Namespace(out=[tmp_path], check=True, stdout=False)
     assert crd.run(args) == 1  # nothing there yet: drift
-    assert crd.run(argparse.Namespace(output_dir=tmp_path, check=False, stdout=False)) == 0
+    assert crd.run(argparse.Namespace(out=[tmp_path], check=False, stdout=False)) == 0
     assert crd.run(args) == 0
     assert yaml.safe_load((tmp_path / crd.FILE_NAME).read_text())["kind"] == "CustomResourceDefinition"
 
@@ -195,3 +197,24 @@ def test_autoscaling_fields_and_status_block():
     assert not list(schema_validator().iter_errors(doc))
     doc["spec"]["autoscaling"]["latencyPercentile"] = 99.5  # integers only
     assert list(schema_validator().iter_errors(doc))
+
+
+def test_crd_check_covers_both_copies_and_names_a_missing_checkout(tmp_path: Path):
+    """The documented command checks the repository's copy and the chart's; run elsewhere without --out it says
+    what is missing instead of writing a crds/ tree there."""
+    command = [sys.executable, "-m", "disagg.operator.crd", "--check"]
+    both = ["--out", "crds", "--out", "charts/disagg-operator/crds"]
+    for argv in (command, [*command, *both]):
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    stale = tmp_path / "charts" / "disagg-operator" / "crds"
+    stale.mkdir(parents=True)
+    (stale / crd.FILE_NAME).write_text("old\n")
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "crds" / crd.FILE_NAME).write_text(crd.render_crd())
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "disagg-operator/crds" in proc.stderr and "is out of date" in proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(command[:-1], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--out" in proc.stderr and not list(elsewhere.iterdir()), proc.stderr
