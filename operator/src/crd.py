@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from disagg.operator import spec as s
+from disagg.operator.naming import APP_NAME, LABEL_NAME, MAX_NAME_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,14 @@ def build_crd() -> dict[str, Any]:
             "status": model_schema(s.DisaggregatedInferenceStatus),
         },
         "x-kubernetes-validations": [{
-            "rule": f"self.metadata.name.size() <= {s.MAX_NAME_LENGTH}",
-            "message": f"metadata.name must be at most {s.MAX_NAME_LENGTH} characters (children add suffixes)",
+            "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children add suffixes)",
         }],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "disagg"}},
+        "metadata": {"name": CRD_NAME, "labels": {LABEL_NAME: APP_NAME}},
         "spec": {
             "group": s.GROUP,
             "scope": "Namespaced",

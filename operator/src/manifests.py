@@ -10,32 +10,21 @@ context stay consistent; the workers' command lines are built in worker_command.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from disagg.operator import spec as s
+from disagg.operator.naming import (
+    ANNOTATION_CONFIG_HASH, HTTP_PORT, KV_EVENTS_PORTS, KV_EVENTS_TOPIC, LABEL_REVISION, SIDE_CHANNEL_PORT,
+    Component, child_name, common_labels, label_selector, selector_labels, stable_hash,
+)
 from disagg.operator.worker_command import (
-    KV_EVENTS_TOPIC, Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
+    Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
 )
 
 Role = Literal["prefill", "decode"]
-Component = Literal["prefill", "decode", "router"]
 
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_REVISION = f"{s.GROUP}/revision"  # serving revision; the router pairs prefill and decode pods by it
-ANNOTATION_CONFIG_HASH = f"{s.GROUP}/config-hash"  # on pod templates: a change rolls the pods
-APP_NAME = "disagg"
-MANAGED_BY = "disagg-operator"
-
-HTTP_PORT = 8000
-SIDE_CHANNEL_PORT = 5600
-KV_EVENTS_PORTS = (5557, 5558)  # KV-cache events PUB and replay (router.policy prefix-aware)
 MODELS_DIR = "/models"  # PVC mount
 CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
 SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
@@ -55,11 +44,6 @@ class Owner:
                 "controller": True, "blockOwnerDeletion": True}
 
 
-def stable_hash(obj: Any, length: int = 16) -> str:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
 def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
     """What prefill and decode must share for KV blocks to be compatible: model, image, KV transfer (and the
     engine when it is not the default, so that revisions of existing disagg resources stay as they were)."""
@@ -67,28 +51,12 @@ def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
     return stable_hash(spec.model_dump(by_alias=True, include=fields), 10)
 
 
-def child_name(owner: Owner, component: Component) -> str:
-    return f"{owner.name}-{component}"
-
-
-def selector_labels(owner: Owner, component: Component) -> dict[str, str]:
-    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: owner.name, LABEL_COMPONENT: component}
-
-
-def label_selector(owner: Owner, component: Component) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(owner, component).items())
-
-
-def common_labels(owner: Owner, component: Component) -> dict[str, str]:
-    return {**selector_labels(owner, component), LABEL_MANAGED_BY: MANAGED_BY}
-
-
 def router_endpoint(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
 
 
 def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner, component),
+    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner.name, component),
             "ownerReferences": [owner.reference()]}
 
 
@@ -291,11 +259,11 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    labels = {**common_labels(owner, role), LABEL_REVISION: serving_revision(spec)}
+    labels = {**common_labels(owner.name, role), LABEL_REVISION: serving_revision(spec)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner, role), role),
-        "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner, role)},
+        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner.name, role)},
                  "template": _pod_template(labels, pod_spec)},
     }
 
@@ -304,8 +272,8 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
 def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
     return ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--policy", spec.router.policy,
             "--discovery", "kubernetes", "--namespace", owner.namespace,
-            "--prefill-selector", label_selector(owner, "prefill"),
-            "--decode-selector", label_selector(owner, "decode"), *spec.router.bound_args(spec.engine),
+            "--prefill-selector", label_selector(owner.name, "prefill"),
+            "--decode-selector", label_selector(owner.name, "decode"), *spec.router.bound_args(spec.engine),
             *_router_kv_events_args(spec), *spec.router.extra_args]
 
 
@@ -331,16 +299,16 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner, "router"),
+    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
                                 "volumes": [tmp], **_placement(spec.router)}
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner, "router"), "router"),
-        "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner, "router")},
-                 "template": _pod_template(common_labels(owner, "router"), pod_spec)},
+        "metadata": _metadata(owner, child_name(owner.name, "router"), "router"),
+        "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner.name, "router")},
+                 "template": _pod_template(common_labels(owner.name, "router"), pod_spec)},
     }
 
 
@@ -348,7 +316,7 @@ def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(owner, owner.name, "router"),
-        "spec": {"type": spec.router.service.type, "selector": selector_labels(owner, "router"),
+        "spec": {"type": spec.router.service.type, "selector": selector_labels(owner.name, "router"),
                  "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http",
                             "protocol": "TCP"}]},
     }
@@ -357,8 +325,8 @@ def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
 def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(owner, child_name(owner, role), role),
-        "spec": {"clusterIP": "None", "selector": selector_labels(owner, role),
+        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "spec": {"clusterIP": "None", "selector": selector_labels(owner.name, role),
                  "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                            {"name": "kv-side-channel", "port": SIDE_CHANNEL_PORT, "targetPort": "kv-side-channel",
                             "protocol": "TCP"}]},
@@ -366,7 +334,7 @@ def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
 
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    name = child_name(owner, "router")
+    name = child_name(owner.name, "router")
     rbac = "rbac.authorization.k8s.io/v1"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")},

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
+from disagg.operator.naming import ANNOTATION_LAST_APPLIED, LABEL_COMPONENT, LABEL_REVISION, Component, child_name
 
 log = logging.getLogger(__name__)
 
-ANNOTATION_LAST_APPLIED = f"{s.GROUP}/last-applied"  # JSON of what the operator last wrote to the child
-ROLES: tuple[m.Component, ...] = ("prefill", "decode", "router")
+ROLES: tuple[Component, ...] = ("prefill", "decode", "router")
 # status keys this pass owns; status.autoscaling and the scaling conditions belong to the autoscaler (this pass
 # only removes them when autoscaling is switched off)
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *ROLES, "conditions")
@@ -151,7 +151,7 @@ def rolled_out(deployment: dict[str, Any] | None, desired: dict[str, Any]) -> bo
     template_labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
     wanted_labels = desired["spec"]["template"]["metadata"]["labels"]
     return (st.get("observedGeneration", -1) >= deployment["metadata"].get("generation", 0)
-            and template_labels.get(m.LABEL_REVISION) == wanted_labels.get(m.LABEL_REVISION)
+            and template_labels.get(LABEL_REVISION) == wanted_labels.get(LABEL_REVISION)
             and st.get("updatedReplicas", 0) == want and st.get("replicas", 0) == want)
 
 
@@ -240,7 +240,7 @@ def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInfere
     for child in m.desired_children(owner, spec):
         meta = child["metadata"]
         observed = cluster.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        role = meta["labels"].get(m.LABEL_COMPONENT) if child["kind"] == "Deployment" else None
+        role = meta["labels"].get(LABEL_COMPONENT) if child["kind"] == "Deployment" else None
         keep = owned_elsewhere and role in WORKER_ROLES and observed is not None
         if keep:  # the autoscaler's number, as it last applied it
             child["spec"]["replicas"] = applied_replicas(observed)  # type: ignore[arg-type]
@@ -272,7 +272,7 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
     extra: dict[str, Any] = {}
     if problems or spec is None:
         for r in ROLES:  # report what runs, touch nothing
-            applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
+            applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, child_name(owner.name, r))
     else:
         applied = apply_children(cluster, owner, spec)
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}

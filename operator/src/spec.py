@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from disagg.operator.naming import GROUP, MAX_NAME_LENGTH
 from disagg.worker.kv_transfer.connectors import CONNECTORS, connector_problem, declaration_of
 from disagg.worker.router import endpoints as router_endpoints
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
-GROUP = "disagg.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "DisaggregatedInference"
@@ -28,8 +28,6 @@ PLURAL = "disaggregatedinferences"
 SINGULAR = "disaggregatedinference"
 SHORT_NAMES = ["dinf"]
 
-# children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
-MAX_NAME_LENGTH = 55
 # a pod's grace period must leave at least this for running requests after the preStop wait and the KV lease
 MIN_REQUEST_DRAIN_SECONDS = 10
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -16,13 +16,13 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from disagg.operator import spec as s
+from disagg.operator.naming import KV_EVENTS_TOPIC, stable_hash
 from disagg.worker.kv_transfer.connectors import declaration_of
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 EXECUTABLE = "disagg"  # the image's entrypoint; `disagg up` runs the same CLI with its own interpreter
 VLLM_EXECUTABLE = "vllm"  # engine vllm: on the engine image's PATH; `disagg up` takes a configured path
-KV_EVENTS_TOPIC = "kv-events"  # engine vllm: the topic frame of its KV-cache events (the router subscribes to it)
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,6 @@ def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Pla
 def model_cache_dir(spec: s.DisaggregatedInferenceSpec, cache_root: str) -> str:
     """Where a downloaded source lands under the cache: one directory per source, so sources sharing a cache
     PVC never collide and the same source is found again."""
-    from disagg.operator.manifests import stable_hash  # the hash children use for their templates
-
     source = spec.model.source.model_dump(by_alias=True, exclude_none=True)
     return str(PurePosixPath(cache_root) / "models" / stable_hash(source, 12))
 
