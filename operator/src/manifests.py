@@ -6,28 +6,21 @@ Children of a resource named N in namespace NS:
   ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers).
 
 Somewhat over 300 lines: every child of one resource is built here so their shared labels, volumes and security
-context stay consistent; the workers' command lines are built in worker_command.py.
+context stay consistent; the commands in them come from plan.py (the API `disagg up` plans its processes with).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Any
 
 from disagg.operator import spec as s
 from disagg.operator.naming import (
-    ANNOTATION_CONFIG_HASH, HTTP_PORT, KV_EVENTS_PORTS, KV_EVENTS_TOPIC, LABEL_REVISION, SIDE_CHANNEL_PORT,
-    Component, child_name, common_labels, label_selector, selector_labels, stable_hash,
+    ANNOTATION_CONFIG_HASH, HTTP_PORT, KV_EVENTS_PORTS, LABEL_REVISION, SIDE_CHANNEL_PORT, Component, child_name,
+    common_labels, selector_labels, stable_hash,
 )
-from disagg.operator.worker_command import (
-    Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
-)
+from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR
+from disagg.operator.plan import Role, pod_fetch_command, pod_router_command, pod_worker_command
 
-Role = Literal["prefill", "decode"]
-
-MODELS_DIR = "/models"  # PVC mount
-CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
-SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
 TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
 IPC_LOCK = "IPC_LOCK"  # RDMA only: lets UCX register (pin) memory beyond RLIMIT_MEMLOCK
 
@@ -61,18 +54,6 @@ def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- worker pods
-def model_dir(spec: s.DisaggregatedInferenceSpec) -> str:
-    """The checkpoint directory as the worker container sees it."""
-    src = spec.model.source
-    if src.pvc is not None:
-        return str(PurePosixPath(MODELS_DIR) / src.pvc.path) if src.pvc.path else MODELS_DIR
-    if src.downloaded:
-        return model_cache_dir(spec, CACHE_DIR)
-    if src.path is None:
-        raise ValueError("spec.model.source: a generated checkpoint cannot run on Kubernetes")
-    return src.path
-
-
 # engine vllm: the root filesystem is read-only, so vLLM's caches (compile, torch inductor) go to the /tmp emptyDir
 VLLM_POD_ENV = {"VLLM_CACHE_ROOT": f"{TMP_DIR}/vllm", "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
                 "HOME": TMP_DIR}
@@ -84,12 +65,6 @@ def worker_image(spec: s.DisaggregatedInferenceSpec) -> str | None:
 
 def ready_path(spec: s.DisaggregatedInferenceSpec) -> str:
     return "/health" if spec.engine == "vllm" else "/ready"
-
-
-def worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
-    shared = SHARED_STORAGE_DIR if spec.kv_transfer.shared_storage is not None else None
-    return build_worker_command(spec, role, Placement("0.0.0.0", HTTP_PORT, "$(POD_IP)", SIDE_CHANNEL_PORT,
-                                                      model_dir(spec), shared, KV_EVENTS_PORTS))
 
 
 def _kv_events_ports(spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
@@ -160,7 +135,7 @@ def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list
 def _fetch_init_container(spec: s.DisaggregatedInferenceSpec, tmp_mount: dict[str, Any]) -> dict[str, Any]:
     """Downloads the checkpoint into the cache volume before the worker starts (skipped when it is there)."""
     src = spec.model.source
-    fetch = build_fetch_command(spec, model_dir(spec))
+    fetch = pod_fetch_command(spec)
     env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
            *({"name": k, "value": v} for k, v in fetch.env.items())]
     container: dict[str, Any] = {"name": "fetch-model", "image": spec.image, "command": fetch.argv[:1],
@@ -216,7 +191,7 @@ def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str,
 def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
     r: s.RoleSpec = getattr(spec, role)
     volumes, mounts = _model_volumes(spec)
-    command = worker_command(spec, role)
+    command = pod_worker_command(spec, role)
     tmp, tmp_mount = _tmp_volume()
     rdma = spec.kv_transfer.rdma
     devices = {"nvidia.com/gpu": s.worker_gpus(spec, role)}
@@ -269,26 +244,11 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
 
 
 # ---------------------------------------------------------------- router
-def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
-    return ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--policy", spec.router.policy,
-            "--discovery", "kubernetes", "--namespace", owner.namespace,
-            "--prefill-selector", label_selector(owner.name, "prefill"),
-            "--decode-selector", label_selector(owner.name, "decode"), *spec.router.bound_args(spec.engine),
-            *_router_kv_events_args(spec), *spec.router.extra_args]
-
-
-def _router_kv_events_args(spec: s.DisaggregatedInferenceSpec) -> list[str]:
-    """Where the pods publish KV-cache events, for workers that do not say so at GET /kv_events (vLLM)."""
-    if spec.router.policy != "prefix-aware":
-        return []
-    return ["--kv-events-port", str(KV_EVENTS_PORTS[0]), "--kv-events-replay-port", str(KV_EVENTS_PORTS[1]),
-            "--kv-events-topic", KV_EVENTS_TOPIC]
-
-
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     tmp, tmp_mount = _tmp_volume()
+    argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
     container: dict[str, Any] = {
-        "name": "router", "image": spec.image, "command": ["disagg"], "args": router_args(owner, spec),
+        "name": "router", "image": spec.image, "command": argv[:1], "args": argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _downward_env(),
         "resources": _resources(spec.router.resources),

@@ -15,7 +15,9 @@ from typing import Any, Protocol
 
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
+from disagg.operator.checks import Problem, check_spec, name_problems
 from disagg.operator.naming import ANNOTATION_LAST_APPLIED, LABEL_COMPONENT, LABEL_REVISION, Component, child_name
+from disagg.operator.plan import autoscaler_owns_replicas, initial_replicas
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class PassResult:
     status: dict[str, Any]  # the status the resource now has
     status_written: bool
     children_written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
-    problems: list[s.Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
+    problems: list[Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
     replicas_reverted: list[ReplicasReverted] = field(default_factory=list)  # hand edits undone
 
 
@@ -170,26 +172,8 @@ def with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], 
     return new
 
 
-def autoscaler_owns_replicas(spec: s.DisaggregatedInferenceSpec) -> bool:
-    """The autoscaler writes the worker Deployments' replicas (a dry run only reports)."""
-    return spec.autoscaling.enabled and not spec.autoscaling.dry_run
-
-
-def worker_replicas(spec: s.DisaggregatedInferenceSpec) -> dict[str, int]:
-    """role -> the replicas this pass gives a worker Deployment: spec.<role>.replicas; when the autoscaler owns
-    them, moved into min/max (and used only to create the Deployment)."""
-    out: dict[str, int] = {}
-    for role in WORKER_ROLES:
-        n = getattr(spec, role).replicas
-        if autoscaler_owns_replicas(spec):
-            bounds: s.ReplicaBounds = getattr(spec.autoscaling, role)
-            n = min(max(n, bounds.min_replicas), bounds.max_replicas)
-        out[role] = n
-    return out
-
-
 def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
-                 problems: list[s.Problem], extra: dict[str, Any]) -> dict[str, Any]:
+                 problems: list[Problem], extra: dict[str, Any]) -> dict[str, Any]:
     """Conditions without transition times; `desired` is None when the spec was rejected."""
     status: dict[str, Any] = {"observedGeneration": generation, **extra,
                               **{r: role_status(deployments.get(r)) for r in ROLES}}
@@ -218,9 +202,9 @@ def build_status(generation: int, deployments: dict[str, dict | None], desired: 
 
 
 # ---------------------------------------------------------------- the pass
-def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[s.Problem]]:
-    spec, problems = s.check_spec(body.get("spec") or {}, "kubernetes")
-    return spec, s.name_problems(body["metadata"]["name"]) + problems
+def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[Problem]]:
+    spec, problems = check_spec(body.get("spec") or {}, "kubernetes")
+    return spec, name_problems(body["metadata"]["name"]) + problems
 
 
 @dataclass
@@ -234,8 +218,8 @@ class _Applied:
 def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec) -> _Applied:
     owned_elsewhere = autoscaler_owns_replicas(spec)
     spec = spec.model_copy(deep=True)
-    for role, n in worker_replicas(spec).items():
-        getattr(spec, role).replicas = n
+    for role in WORKER_ROLES:  # with the autoscaler on, only the starting point: the Deployment's creation
+        getattr(spec, role).replicas = initial_replicas(spec, role)
     out = _Applied(desired={})
     for child in m.desired_children(owner, spec):
         meta = child["metadata"]

@@ -14,6 +14,7 @@ from openapi_schema_validator import OAS30Validator
 
 from disagg.operator import crd, validate
 from disagg.operator import spec as s
+from disagg.operator.checks import semantic_problems
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -138,15 +139,15 @@ def test_schema_accepts_but_operator_rejects(changes: dict[str, Any], path: str)
 def test_connector_names(connector: str, ok: bool):
     spec = s.parse_spec(with_spec(**{"kvTransfer.connector": connector,
                                      "kvTransfer.sharedStorage": {"claimName": "kv"}})["spec"])
-    assert (not s.semantic_problems(spec, "kubernetes")) == ok
+    assert (not semantic_problems(spec, "kubernetes")) == ok
 
 
 def test_model_source_kind_and_local_target():
     local = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
     spec = s.parse_spec(local["spec"])
     assert spec.model.source.kind == "generated"
-    assert s.semantic_problems(spec, "local") == []
-    assert {p.path for p in s.semantic_problems(spec, "kubernetes")} == {"spec.image", "spec.model.source"}
+    assert semantic_problems(spec, "local") == []
+    assert {p.path for p in semantic_problems(spec, "kubernetes")} == {"spec.image", "spec.model.source"}
 
 
 def test_validate_prints_every_problem_with_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

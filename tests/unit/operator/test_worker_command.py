@@ -22,6 +22,7 @@ from disagg.operator import manifests as m
 from disagg.operator import spec as s
 from disagg.operator import validate
 from disagg.operator import naming
+from disagg.operator.plan import pod_model_dir
 from disagg.worker.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -189,7 +190,7 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     pod = worker_container(doc, role)
     argv = [*pod["command"], *pod["args"]]
     spec = s.parse_spec(doc["spec"])
-    assert argv[:3] == ["vllm", "serve", m.model_dir(spec)]  # the positional model, as the fetch-model dest
+    assert argv[:3] == ["vllm", "serve", pod_model_dir(spec)]  # the positional model, as the fetch-model dest
     assert pod["image"] == doc["spec"]["engineImage"]
     assert flag_value(argv, "--port") == str(naming.HTTP_PORT)
     assert flag_value(argv, "--served-model-name") == doc["spec"]["model"]["servedName"]
