@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from disagg.operator import spec as s
+from disagg.operator.checks import Problem, check_spec
 from disagg.operator.naming import KV_EVENTS_TOPIC
 from disagg.operator.placement import (
     kubernetes_placement, kubernetes_router_placement, local_placement, local_router_placement, model_cache_dir,
@@ -19,9 +21,9 @@ from disagg.operator.placement import (
 from disagg.operator.router_command import build_router_command
 from disagg.operator.worker_command import Role, WorkerCommand, build_fetch_command, build_worker_command
 
-__all__ = ["LocalWorker", "Role", "autoscaler_owns_replicas", "initial_replicas", "local_router_command",
-           "local_worker", "model_cache_dir", "pod_fetch_command", "pod_model_dir", "pod_router_command",
-           "pod_worker_command"]
+__all__ = ["LocalWorker", "Problem", "Role", "autoscaler_owns_replicas", "check_local", "initial_replicas",
+           "local_router_command", "local_worker", "model_cache_dir", "pod_fetch_command", "pod_model_dir",
+           "pod_router_command", "pod_worker_command"]
 
 
 # ---------------------------------------------------------------- replicas (both targets)
@@ -90,3 +92,17 @@ def local_router_command(spec: s.DisaggregatedInferenceSpec, *, host: str, port:
                                        endpoints_file=endpoints_file, prefill_urls=prefill_urls,
                                        decode_urls=decode_urls)
     return build_router_command(spec, placement)
+
+
+def check_local(raw: Any) -> tuple[s.DisaggregatedInferenceSpec | None, list[Problem]]:
+    """check_spec for `disagg up`, and that the plan starts a decode worker (nothing would serve without one)."""
+    spec, problems = check_spec(raw, "local")
+    if spec is None or problems:
+        return spec, problems
+    a = spec.autoscaling
+    if a.enabled and a.decode.min_replicas < 1:
+        return spec, [Problem("spec.autoscaling.decode.minReplicas",
+                              f"must be >= 1 to serve locally, got {a.decode.min_replicas}")]
+    if initial_replicas(spec, "decode") < 1:
+        return spec, [Problem("spec.decode.replicas", "must be >= 1 to serve locally")]
+    return spec, []

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from disagg.operator.plan import local_router_command, local_worker, model_cache_dir
+from disagg.operator.plan import check_local, initial_replicas, local_router_command, local_worker, model_cache_dir
 from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
 )
@@ -134,15 +134,6 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
                        worker.kv_events)
 
 
-def initial_replicas(spec: Any, role: str) -> int:
-    """spec.<role>.replicas; with autoscaling on only the starting point, moved into min/max."""
-    n, a = getattr(spec, role).replicas, spec.autoscaling
-    if a.enabled:
-        bounds = getattr(a, role)
-        n = min(max(n, bounds.min_replicas), bounds.max_replicas)
-    return n
-
-
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
          worker_args: list[str] = (), endpoints_file: str | None = None,
          vllm_executable: str | None = None) -> list[ProcessSpec]:
@@ -180,19 +171,12 @@ def first_request(url: str, model: str) -> str:
 def load_spec(path: str) -> Any:
     import yaml
 
-    from disagg.operator.checks import check_spec
-
     doc = yaml.safe_load(Path(path).read_text())
     if not isinstance(doc, dict) or "spec" not in doc:
         raise ValueError(f"{path}: expected a DisaggregatedInference document with a 'spec'")
-    spec, problems = check_spec(doc["spec"], "local")
+    spec, problems = check_local(doc["spec"])
     if spec is None or problems:
         raise ValueError("\n".join(f"{path}: {p}" for p in problems))
-    if spec.decode.replicas < 1 and not spec.autoscaling.enabled:
-        raise ValueError(f"{path}: spec.decode.replicas must be >= 1 to serve locally")
-    if spec.autoscaling.enabled and spec.autoscaling.decode.min_replicas < 1:
-        raise ValueError(f"{path}: spec.autoscaling.decode.minReplicas must be >= 1 to serve locally, "
-                         f"got {spec.autoscaling.decode.min_replicas}")
     return doc.get("metadata", {}).get("name", "local"), spec
 
 
