@@ -1,5 +1,6 @@
 """The operator's modules import each other without a circle (function-level imports included, so none can hide
-one). Read from the sources with ast, not from a hand-kept list."""
+one), and `disagg up` meets the operator through the plan API and the autoscaling pass only. Read from the
+sources with ast, not from a hand-kept list."""
 from __future__ import annotations
 
 import ast
@@ -7,6 +8,10 @@ import importlib
 from pathlib import Path
 
 import disagg.operator
+import disagg.worker.local
+
+# what worker/local/ may import of the operator (docs/architecture.md: where things live)
+LOCAL_MAY_IMPORT = {"disagg.operator.plan", "disagg.operator.autoscaling.scaling_pass"}
 
 
 def modules(package) -> dict[str, Path]:
@@ -74,3 +79,8 @@ def test_the_spec_models_import_none_of_the_builders():
     mods = modules(disagg.operator)
     assert imported(mods["disagg.operator.spec"], set(mods)) <= {"disagg.operator.naming"}
 
+
+def test_disagg_up_imports_only_the_plan_and_the_autoscaling_pass_of_the_operator():
+    operator_modules = set(modules(disagg.operator))
+    for name, path in modules(disagg.worker.local).items():
+        assert imported(path, operator_modules) <= LOCAL_MAY_IMPORT, name
