@@ -11,7 +11,7 @@ undone at the next decision, and reported.
 Scale-down loses no work: before a pool shrinks, the pods chosen to go get a low
 controller.kubernetes.io/pod-deletion-cost, so the ReplicaSet removes those; the removed pod's SIGTERM drain
 (worker) finishes its requests and keeps unread KV until pulled or the lease ends, inside the grace period
-(spec.semantic_problems checks grace >= preStop + request drain + lease).
+(checks.semantic_problems checks grace >= preStop + request drain + lease).
 
 Where metrics come from (spec.autoscaling.metricsSource):
 - scrape: GET http://<status.podIP>:<port>/metrics of each ready pod; port 8000 (the worker's) unless the pod
