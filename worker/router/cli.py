@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             if discovery is not None:
                 tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
             if prefix is not None:
-                from disagg.worker.router.kv_subscriber import EventsDirectory
+                from disagg.worker.kv_events.subscriber import EventsDirectory
                 from disagg.worker.router.prefix_router import maintain_forever
 
                 announced = (lambda url: discovery.kv_events.get(url)) \

@@ -20,7 +20,7 @@ from disagg.worker.engine.block_pool import hash_request_blocks
 from disagg.worker.model.tokenizer import Tokenizer
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.kv_index import KVIndex
-from disagg.worker.router.kv_subscriber import EventsDirectory, KVEventSubscriptions
+from disagg.worker.kv_events.subscriber import EventsDirectory, KVEventSubscriptions
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.prefix_policy import Candidate, PrefixPolicyConfig, RoutePlan, plan_route
 from disagg.worker.server.protocol import ChatCompletionRequest, CompletionRequest
