@@ -8,7 +8,8 @@ from disagg.worker.engine.block_pool import hash_request_blocks
 from disagg.worker.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.kv_index import Applied, KVIndex
-from disagg.worker.router.prefix_policy import Candidate, PrefixPolicyConfig, plan_route
+from disagg.worker.router.policy import Candidate
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig, plan_route
 
 BS = 4
 TOKENS = list(range(20))  # 5 full blocks
