@@ -122,11 +122,12 @@ def worker_client() -> httpx.AsyncClient:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
-    from disagg.worker.router.metrics import RouterMetrics
+    from disagg.worker.router.app import build_app
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
+    from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.outliers import OutlierPolicy
     from disagg.worker.router.probes import probe_forever
-    from disagg.worker.router.proxy import RouterState, build_app
+    from disagg.worker.router.state import RouterState
     from disagg.worker.router.timeouts import HopTimeouts
 
     timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
