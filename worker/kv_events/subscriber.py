@@ -4,9 +4,9 @@ an index of what each worker caches (the router's KVIndex: any EventSink).
 Every ready endpoint of either pool that publishes events gets one subscriber task: where it publishes comes from
 its GET /kv_events (our workers), else from what the router was told (EventsDirectory: the endpoints file of
 `disagg up`, or the fixed ports of the operator's pods at the endpoint URL's host - vLLM serves no /kv_events).
-An endpoint that turns
-unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker starts over empty). On a
-gap in the sequence the subscriber asks the worker's replay socket for what it missed before applying more.
+An endpoint that turns unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker
+starts over empty). On a gap in the sequence the subscriber asks the worker's replay socket for what it missed
+before applying more.
 """
 from __future__ import annotations
 
