@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 from disagg.operator.naming import GROUP
 from disagg.worker.kv_transfer.connectors import CONNECTORS
 from disagg.worker.router import endpoints as router_endpoints
+from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
 VERSION = "v1alpha1"
@@ -239,8 +240,8 @@ class PrefixAwareRouting(_Model):
 
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
-    policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
-        "least-loaded", description="prefix-aware: by the workers' KV-cache events, the endpoint with the longest "
+    policy: Literal[POLICY_NAMES] = Field(  # the router's registry (router/policies.py)
+        DEFAULT_POLICY, description="prefix-aware: by the workers' KV-cache events, the endpoint with the longest "
         "cached prefix of the prompt, weighed against load (turns the workers' events on).")
     service: RouterService = Field(default_factory=RouterService)
     resources: Resources = Field(default_factory=Resources)
