@@ -10,7 +10,7 @@ FROM ${PYTHON_BASE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker/ worker/
-COPY operator/ operator/
+COPY operator/src/ operator/src/
 RUN pip install --no-cache-dir build==1.2.2 \
  && python -m build --wheel --outdir /wheels .
 

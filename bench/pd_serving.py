@@ -34,6 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 from disagg.worker.local.process import free_port, is_ready
+from disagg.worker.router import metrics as router_metrics
 from plots import plot_latency_cdfs
 import pd_interference  # the KV-pull interference case (--interference)
 
@@ -172,8 +173,8 @@ def stop(proc: subprocess.Popen) -> None:
 # --breakdown: where P/D's TTFT goes, from the router's and the workers' own histograms (means per request)
 STAGE_URLS: dict[str, dict[str, str]] = {}  # router url -> component -> url (filled by start_pd)
 STAGE_HISTOGRAMS = {
-    ("router", "disagg:router_time_to_first_token_seconds", ""): "router_ttft",
-    ("router", "disagg:router_hop_latency_seconds", 'hop="prefill"'): "prefill_hop",
+    ("router", router_metrics.TTFT, ""): "router_ttft",
+    ("router", router_metrics.HOP_LATENCY, 'hop="prefill"'): "prefill_hop",
     ("prefill", "vllm:e2e_request_latency_seconds", ""): "prefill_e2e",
     ("decode", "vllm:time_to_first_token_seconds", ""): "decode_ttft",
     ("decode", "vllm:nixl_xfer_time_seconds", ""): "xfer",

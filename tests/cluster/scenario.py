@@ -14,6 +14,7 @@ from cluster import Cluster
 from waiting import wait_for
 
 from disagg.operator import manifests as m
+from disagg.operator import naming
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MODEL = "tiny-llama"
@@ -33,7 +34,7 @@ def cr_manifest(name: str, checkpoint: str, **spec: Any) -> dict[str, Any]:
 
 
 def component(name: str, role: str) -> dict[str, str]:
-    return {m.LABEL_INSTANCE: name, m.LABEL_COMPONENT: role}
+    return {naming.LABEL_INSTANCE: name, naming.LABEL_COMPONENT: role}
 
 
 def condition(cr: dict[str, Any] | None, ctype: str) -> str | None:
@@ -63,7 +64,7 @@ def wait_router_pairs(cluster: Cluster, name: str, timeout: float = 30) -> None:
 
 
 def pod_url(pod: dict[str, Any]) -> str:
-    return f"http://{pod['status']['podIP']}:{m.HTTP_PORT}"
+    return f"http://{pod['status']['podIP']}:{naming.HTTP_PORT}"
 
 
 def router_url(cluster: Cluster, name: str) -> str:
@@ -80,7 +81,7 @@ def delete_and_wait(cluster: Cluster, name: str, timeout: float = 90) -> float:
     """kubectl delete the CR; returns the seconds until its last pod process ended and every child was gone."""
     assert cluster.kubelet is not None
     t0 = time.monotonic()
-    pods = {p["metadata"]["name"] for p in cluster.pods({m.LABEL_INSTANCE: name})}
+    pods = {p["metadata"]["name"] for p in cluster.pods({naming.LABEL_INSTANCE: name})}
     cluster.kubectl("delete", "disaggregatedinference", name, "--wait=false")
 
     def left() -> dict[str, Any]:
@@ -89,7 +90,7 @@ def delete_and_wait(cluster: Cluster, name: str, timeout: float = 90) -> float:
             "cr": cluster.cr(name) is not None,
             "deployments": [d["metadata"]["name"] for d in cluster.store.list_objects("apps", "v1", "deployments")
                             if d["metadata"]["name"].startswith(f"{name}-")],
-            "pods": [p["metadata"]["name"] for p in cluster.pods({m.LABEL_INSTANCE: name})],
+            "pods": [p["metadata"]["name"] for p in cluster.pods({naming.LABEL_INSTANCE: name})],
             "processes": {pod: pids for pod, pids in cluster.kubelet.pids().items() if pod in pods},
         }.items() if v}
     while remaining := left():

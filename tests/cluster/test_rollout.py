@@ -16,6 +16,7 @@ from scenario import Load, component, cr_manifest, delete_and_wait, live_pods, r
 from waiting import wait_for
 
 from disagg.operator import manifests as m
+from disagg.operator import naming
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)]
 NAME = "rollout"
@@ -50,7 +51,7 @@ def test_rolling_update_under_load_fails_no_request_and_pairs_prefill_and_decode
             cr = cluster.cr(NAME)
             pods = [p for role in ("prefill", "decode") for p in cluster.pods(component(NAME, role))]
             return cr["status"].get("revision") != old_revision and len(pods) == 2 and all(
-                p["metadata"]["labels"][m.LABEL_REVISION] == cr["status"]["revision"] for p in pods) \
+                p["metadata"]["labels"][naming.LABEL_REVISION] == cr["status"]["revision"] for p in pods) \
                 and cr["status"]["decode"]["readyReplicas"] == cr["status"]["prefill"]["readyReplicas"] == 1
         wait_for(rolled, 150, f"the rollout to finish\n{cluster.logs()}", interval=0.2)
 
@@ -74,15 +75,15 @@ def test_rolling_update_under_load_fails_no_request_and_pairs_prefill_and_decode
     # pairing: every KV peer of a decode pod is a prefill pod of the decode pod's revision
     engines = {}  # prefill engine id -> revision
     for name, pod in seen.items():
-        if pod["metadata"]["labels"][m.LABEL_COMPONENT] == "prefill":
+        if pod["metadata"]["labels"][naming.LABEL_COMPONENT] == "prefill":
             match = re.search(r"NIXL connector: engine (\w+)", _log(cluster, name, "prefill"))
             assert match, name
-            engines[match.group(1)] = pod["metadata"]["labels"][m.LABEL_REVISION]
+            engines[match.group(1)] = pod["metadata"]["labels"][naming.LABEL_REVISION]
     assert set(engines.values()) == {old_revision, new_revision}, engines
     pulled = set()
     for name, pod in seen.items():
-        if pod["metadata"]["labels"][m.LABEL_COMPONENT] == "decode":
-            revision = pod["metadata"]["labels"][m.LABEL_REVISION]
+        if pod["metadata"]["labels"][naming.LABEL_COMPONENT] == "decode":
+            revision = pod["metadata"]["labels"][naming.LABEL_REVISION]
             for peer in re.findall(r"added peer (\w+)", _log(cluster, name, "decode")):
                 assert engines.get(peer) == revision, (name, revision, peer, engines)
                 pulled.add(revision)

@@ -23,3 +23,17 @@ def test_the_package_is_disagg_operator():
             "assert hasattr(operator, 'attrgetter'); print(disagg.operator.spec.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "disagg.operator.spec", proc.stderr
+
+
+def test_the_operator_folder_is_no_package_and_needs_no_exec_trick():
+    # the checkout's root first on sys.path, as `python -m ...` from it: the top-level operator/ folder (no
+    # __init__.py) is at most a namespace portion, which loses to the standard library's operator.py
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    # -S: nothing has imported the stdlib operator yet; site.main() then adds the installed (editable) package
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); assert 'operator' not in sys.modules; import operator; "
+            "assert operator.itemgetter is __import__('_operator').itemgetter, operator.__file__; "
+            "assert operator.__file__.endswith('operator.py') and sys.argv[1] not in operator.__file__; "
+            "import site; site.main(); import disagg.operator.spec; print(disagg.operator.spec.__name__)")
+    proc = subprocess.run([sys.executable, "-S", "-c", code, str(ROOT)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "disagg.operator.spec", proc.stderr
+    assert "exec(" not in (ROOT / "operator" / "src" / "__init__.py").read_text()

@@ -30,7 +30,7 @@ def hash_request_blocks(token_ids: list[int], block_size: int, known: list[bytes
 
 
 class CacheEventSink(Protocol):
-    """Told when a hash enters or leaves the prefix cache (KV-cache events; see engine/kv_events.py)."""
+    """Told when a hash enters or leaves the prefix cache (KV-cache events; see worker/kv_events/)."""
 
     def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None: ...
 

@@ -12,9 +12,10 @@ import torch
 
 from disagg.worker.engine.config import EngineConfig
 from disagg.worker.engine.kv_cache_manager import KVCacheManager, cdiv
-from disagg.worker.engine.kv_events import EventBatch, KVEventCollector
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
+from disagg.worker.kv_events.collector import KVEventCollector
+from disagg.worker.kv_events.schema import EventBatch
 from disagg.worker.runner.host_malloc import tune_malloc
 from disagg.worker.runner.kv_cache_memory import KVPrefaulter, allocate_kv_cache, is_lazy_mapping
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorRole

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from disagg.operator.plan import check_local, initial_replicas, local_router_command, local_worker, model_cache_dir
 from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
 )
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-# ---------------------------------------------------------------- the plan (pure: spec + ports -> commands)
+# ---------------------------------------------------------------- the plan (pure: spec + ports -> processes)
 def resolve_model_dir(spec: Any, cache_root: Path | None = None) -> str:
     """The checkpoint directory the workers load; huggingFace and uri sources are downloaded first (once: a
     later run finds them in the cache), with this process's environment (HF_TOKEN, AWS_*)."""
@@ -68,7 +69,6 @@ def resolve_model_dir(spec: Any, cache_root: Path | None = None) -> str:
 
 
 def _download(spec: Any, cache_root: Path) -> Path:
-    from disagg.operator.worker_command import model_cache_dir
     from disagg.worker.model.fetch import FetchError, ModelLocation, fetch_model
 
     src = spec.model.source
@@ -123,33 +123,15 @@ def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = No
 
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
                 worker_args: list[str] = (), vllm_executable: str | None = None) -> ProcessSpec:
-    """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's command
-    (operator/worker_command.py) with this machine's placement. Engine disagg runs with this interpreter,
-    engine vllm with `vllm_executable`."""
-    from disagg.operator.worker_command import KV_EVENTS_TOPIC, Placement, build_worker_command
-
-    port = port_for()
-    events = (port_for(), port_for()) if spec.router.policy == "prefix-aware" else None
-    command = build_worker_command(spec, role, Placement(host, port, host, port_for(), model_dir, kv_dir, events))
-    env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
+    """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's plan with
+    this machine's placement. Engine disagg runs with this interpreter, engine vllm with `vllm_executable`."""
+    worker = local_worker(spec, role, host=host, port_for=port_for, model_dir=model_dir, kv_dir=kv_dir)
+    env = dict(worker.env)
     if spec.engine == "vllm" and VLLM_CPU_BIND not in env and VLLM_CPU_BIND not in os.environ:
         env[VLLM_CPU_BIND] = vllm_cpu_bind(spec, role, index)
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
-    # vLLM serves no GET /kv_events: the router learns its ports from the endpoints file (ours serve both)
-    kv_events = None if events is None else {
-        "endpoint": f"tcp://{host}:{events[0]}", "replay_endpoint": f"tcp://{host}:{events[1]}",
-        "topic": KV_EVENTS_TOPIC if spec.engine == "vllm" else ""}
-    return ProcessSpec(f"{role}-{index}", [*program, *command.argv[1:], *worker_args], f"http://{host}:{port}", env,
-                       role, kv_events)
-
-
-def initial_replicas(spec: Any, role: str) -> int:
-    """spec.<role>.replicas; with autoscaling on only the starting point, moved into min/max."""
-    n, a = getattr(spec, role).replicas, spec.autoscaling
-    if a.enabled:
-        bounds = getattr(a, role)
-        n = min(max(n, bounds.min_replicas), bounds.max_replicas)
-    return n
+    return ProcessSpec(f"{role}-{index}", [*program, *worker.argv[1:], *worker_args], worker.url, env, role,
+                       worker.kv_events)
 
 
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
@@ -159,15 +141,11 @@ def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, 
     follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line."""
     procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
-    router = [*CLI, "router", "--host", host, "--port", str(router_port), "--policy", spec.router.policy,
-              "--probe-interval", str(ROUTER_PROBE_INTERVAL_S), *spec.router.bound_args(spec.engine)]
-    if endpoints_file is not None:
-        router += ["--discovery", "file", "--endpoints-file", endpoints_file]
-    else:
-        router += ["--prefill", *[p.url for p in procs if p.role == "prefill"],
-                   "--decode", *[p.url for p in procs if p.role == "decode"]]
-    procs.append(ProcessSpec("router", [*router, *spec.router.extra_args], f"http://{host}:{router_port}",
-                             role="router"))
+    router = local_router_command(spec, host=host, port=router_port, probe_interval_s=ROUTER_PROBE_INTERVAL_S,
+                                  endpoints_file=endpoints_file,
+                                  prefill_urls=[p.url for p in procs if p.role == "prefill"],
+                                  decode_urls=[p.url for p in procs if p.role == "decode"])
+    procs.append(ProcessSpec("router", [*CLI, *router[1:]], f"http://{host}:{router_port}", role="router"))
     return procs
 
 
@@ -193,19 +171,12 @@ def first_request(url: str, model: str) -> str:
 def load_spec(path: str) -> Any:
     import yaml
 
-    from disagg.operator.spec import check_spec
-
     doc = yaml.safe_load(Path(path).read_text())
     if not isinstance(doc, dict) or "spec" not in doc:
         raise ValueError(f"{path}: expected a DisaggregatedInference document with a 'spec'")
-    spec, problems = check_spec(doc["spec"], "local")
+    spec, problems = check_local(doc["spec"])
     if spec is None or problems:
         raise ValueError("\n".join(f"{path}: {p}" for p in problems))
-    if spec.decode.replicas < 1 and not spec.autoscaling.enabled:
-        raise ValueError(f"{path}: spec.decode.replicas must be >= 1 to serve locally")
-    if spec.autoscaling.enabled and spec.autoscaling.decode.min_replicas < 1:
-        raise ValueError(f"{path}: spec.autoscaling.decode.minReplicas must be >= 1 to serve locally, "
-                         f"got {spec.autoscaling.decode.min_replicas}")
     return doc.get("metadata", {}).get("name", "local"), spec
 
 

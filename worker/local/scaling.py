@@ -18,12 +18,9 @@ from typing import Any
 
 import httpx
 
-from disagg.operator.autoscaling import sources
-from disagg.operator.autoscaling.inputs import ROLES, policy_from_spec
-from disagg.operator.autoscaling.policy import Decision
-from disagg.operator.autoscaling.report import decision_json, scaling_line
-from disagg.operator.autoscaling.samples import PodSample
-from disagg.operator.autoscaling.scaling_pass import PassState, run_pass
+from disagg.operator.autoscaling.scaling_pass import (
+    ROLES, Decision, PassState, PodSample, decision_json, policy_from_spec, run_pass, scaling_line, scrape_pods,
+)
 from disagg.worker.local.process import LocalProcess, ProcessSpec, is_ready
 from disagg.worker.router.discovery import write_endpoints
 
@@ -185,4 +182,4 @@ class LocalAutoscaler:
 
 
 def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float]) -> list[PodSample]:
-    return sources.scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)
+    return scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from types import FrameType
@@ -14,6 +15,8 @@ import httpx
 import uvicorn
 
 from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
+from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicySettings, make_policy
+from disagg.worker.router.policy import RoutingPolicy
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
 logger = logging.getLogger("disagg.worker.router")
@@ -29,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
     p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
     p.add_argument("--worker-port", type=int, default=8000, help="kubernetes discovery: the workers' HTTP port")
-    p.add_argument("--policy", choices=["least-loaded", "round-robin", "prefix-aware"], default="least-loaded",
+    p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help="prefix-aware: by the workers' KV-cache events (their --kv-events-endpoint), the endpoint "
                    "holding the longest prefix of the prompt, weighed against load")
     x = p.add_argument_group("prefix-aware policy")
@@ -75,16 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-def _prefix_router(args: argparse.Namespace, metrics: Any) -> Any:
-    if args.policy != "prefix-aware":
+def routing_policy(args: argparse.Namespace) -> RoutingPolicy:
+    """The --policy, with its tunables from the flags (ValueError naming a bad one)."""
+    prefix = functools.partial(PrefixPolicyConfig, load_cost_tokens=args.prefix_load_cost_tokens,
+                               skip_prefill_max_missing_blocks=args.prefix_skip_prefill_blocks)
+    return make_policy(args.policy, PolicySettings(prefix=prefix))
+
+
+def _prefix_router(args: argparse.Namespace, policy: RoutingPolicy, metrics: Any) -> Any:
+    if not policy.reads_prefixes:
         return None
     from disagg.worker.model.tokenizer import Tokenizer
-    from disagg.worker.router.prefix_policy import PrefixPolicyConfig
     from disagg.worker.router.prefix_router import PrefixRouter
 
-    config = PrefixPolicyConfig(load_cost_tokens=args.prefix_load_cost_tokens,
-                                skip_prefill_max_missing_blocks=args.prefix_skip_prefill_blocks)
-    return PrefixRouter(config, metrics, Tokenizer(args.tokenizer) if args.tokenizer else None)
+    return PrefixRouter(policy, metrics, Tokenizer(args.tokenizer) if args.tokenizer else None)
 
 
 class _Server(uvicorn.Server):
@@ -115,11 +122,12 @@ def worker_client() -> httpx.AsyncClient:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
-    from disagg.worker.router.metrics import RouterMetrics
+    from disagg.worker.router.app import build_app
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
+    from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.router.outliers import OutlierPolicy
     from disagg.worker.router.probes import probe_forever
-    from disagg.worker.router.proxy import RouterState, build_app
+    from disagg.worker.router.state import RouterState
     from disagg.worker.router.timeouts import HopTimeouts
 
     timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
@@ -147,18 +155,19 @@ def run(args: argparse.Namespace) -> int:
     elif not args.decode:
         logger.error("give at least one --decode URL (or --discovery file or kubernetes)")
         return 2
-    prefill, decode = (EndpointPool(role, args.policy, outlier_policy=ejection,
+    metrics = RouterMetrics()
+    try:
+        policy = routing_policy(args)
+        prefix = _prefix_router(args, policy, metrics)
+    except (ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
+    prefill, decode = (EndpointPool(role, policy, outlier_policy=ejection,
                                     unresponsive_after_s=args.unresponsive_after) for role in ("prefill", "decode"))
     prefill.set_urls(args.prefill)
     decode.set_urls(args.decode)
     if isinstance(discovery, FileDiscovery):
         discovery.poll(prefill, decode)  # the first membership before serving
-    metrics = RouterMetrics()
-    try:
-        prefix = _prefix_router(args, metrics)
-    except (ValueError, FileNotFoundError) as e:
-        logger.error("%s", e)
-        return 2
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
                         prefix=prefix, early_first_token=args.early_first_token)
     app = build_app(state)
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             if discovery is not None:
                 tasks.append(asyncio.ensure_future(discovery.run(prefill, decode)))
             if prefix is not None:
-                from disagg.worker.router.kv_subscriber import EventsDirectory
+                from disagg.worker.kv_events.subscriber import EventsDirectory
                 from disagg.worker.router.prefix_router import maintain_forever
 
                 announced = (lambda url: discovery.kv_events.get(url)) \

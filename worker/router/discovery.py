@@ -9,12 +9,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disagg.operator.naming import LABEL_REVISION as REVISION_LABEL  # set by the operator on worker pods
 from disagg.worker.router.endpoints import EndpointPool
 
 logger = logging.getLogger(__name__)
-
-
-REVISION_LABEL = "disagg.dev/revision"  # set by the operator on worker pods
 
 
 def pod_urls(pods: list, port: int) -> list[str]:

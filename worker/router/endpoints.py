@@ -1,4 +1,5 @@
-"""Worker endpoints the router can send to, and the choice among them (pure; no I/O here)."""
+"""Worker endpoints the router can send to, and the choice among them (pure; no I/O here): which are candidates
+(ready, not ejected, of the paired revision) is decided here for every policy; their order is the policy's."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,8 @@ from typing import Any
 from dataclasses import dataclass, field
 
 from disagg.worker.router import outliers
+from disagg.worker.router.policies import DEFAULT_POLICY, make_policy
+from disagg.worker.router.policy import Candidate, RoutingPolicy
 
 
 # a busy worker may answer a probe late: only probes left unanswered (timed out, in a row) for this long take it
@@ -53,6 +56,10 @@ class Endpoint:
         routers' requests) as of its last scrape: the larger of the two."""
         return max(float(self.outstanding), self.reported_load)
 
+    def candidate(self) -> Candidate:
+        """What a policy weighs of it (its cached prefix is the prefix-aware plan's: prefix_router.py)."""
+        return Candidate(self.url, load=self.load(), kv_usage=self.kv_usage, revision=self.revision)
+
 
 def load_from_metrics(text: str) -> tuple[float, float] | None:
     """(running + waiting requests, KV cache usage) from a Prometheus text page, summed over label sets;
@@ -75,18 +82,22 @@ def load_from_metrics(text: str) -> tuple[float, float] | None:
 
 @dataclass
 class EndpointPool:
-    """One role's endpoints. `pick` prefers ready endpoints with the least load - requests in flight from here
-    or reported by the worker's metrics, then KV cache usage - (policy least-loaded) or rotates (round-robin);
-    ties rotate so load spreads evenly. Ejected endpoints (outliers.py) are left out while any other ready one
+    """One role's endpoints. `pick` takes the first of the routing policy's order (policy.py: least-loaded weighs
+    requests in flight from here or reported by the worker's metrics, then KV cache usage; round-robin rotates;
+    ties rotate so load spreads evenly). Ejected endpoints (outliers.py) are left out while any other ready one
     is left (an ejection never empties a pool whose probes pass)."""
 
     role: str  # prefill | decode
-    policy: str = "least-loaded"  # least-loaded | round-robin | prefix-aware (least-loaded where no costs)
+    policy: RoutingPolicy | str = DEFAULT_POLICY  # a RoutingPolicy, or its name (policies.py); one for both pools
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
     _turn: itertools.count = field(default_factory=itertools.count)
     outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
     clock: Callable[[], float] = time.monotonic
     unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # given to each endpoint (Endpoint.unresponsive)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            self.policy = make_policy(self.policy)
 
     def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None) -> None:
         """Replace the membership (discovery); known endpoints keep their state.
@@ -102,7 +113,7 @@ class EndpointPool:
     def scrapes_metrics(self) -> bool:
         """Least-loaded and prefix-aware weigh each worker's own /metrics (running + waiting, KV usage), which
         the probes scrape; round-robin weighs nothing."""
-        return self.policy != "round-robin"
+        return self.policy.weighs_load
 
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
         ready = [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
@@ -116,26 +127,25 @@ class EndpointPool:
     def ready_revisions(self) -> set[str | None]:
         return {e.revision for e in self.endpoints.values() if e.ready}
 
-    def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None,
-             costs: dict[str, float] | None = None) -> Endpoint | None:
-        """revisions: prefer endpoints of these serving revisions when any is available (during a
-        rollout, KV moves only between prefill and decode pods that run the same model/config).
-        costs: url -> this request's cost there (prefix-aware: prefix_policy.py); the cheapest goes first."""
+    def ranked(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None,
+               costs: dict[str, float] | None = None) -> list[Endpoint]:
+        """The available endpoints in the order to try them for this pick; each call is one turn of the pool.
+        revisions: only endpoints of these serving revisions when any is available (during a rollout, KV moves
+        only between prefill and decode pods that run the same model/config).
+        costs: url -> this request's cost there (the policy's plan: prefix_policy.py); the cheapest goes first."""
         candidates = self.available(exclude)
         if revisions is not None:
             candidates = [e for e in candidates if e.revision in revisions] or candidates
         if not candidates:
-            return None
-        turn = next(self._turn)
-        if costs is not None:
-            key = {e.url: (costs.get(e.url, float("inf")), e.load(), e.kv_usage) for e in candidates}
-            best = [e for e in candidates if key[e.url] == min(key.values())]
-            return best[turn % len(best)]
-        if self.policy == "round-robin":
-            return candidates[turn % len(candidates)]
-        fewest = min((e.load(), e.kv_usage) for e in candidates)
-        best = [e for e in candidates if (e.load(), e.kv_usage) == fewest]
-        return best[turn % len(best)]
+            return []
+        by_url = {e.url: e for e in candidates}
+        order = self.policy.rank([e.candidate() for e in candidates], next(self._turn), costs)
+        return [by_url[c.url] for c in order]
+
+    def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None,
+             costs: dict[str, float] | None = None) -> Endpoint | None:
+        """The first of `ranked`; None when no endpoint is available."""
+        return next(iter(self.ranked(exclude, revisions, costs)), None)
 
     def mark_failed(self, endpoint: Endpoint, timed_out: bool = False) -> float | None:
         """A connection error, 5xx or timeout: stop choosing it until the next probe says it is ready, and

@@ -17,19 +17,12 @@ are skipped, since the router hashes a prompt at one block size per endpoint.
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from disagg.worker.engine.block_pool import hash_block_tokens
-from disagg.worker.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-
-
-class Applied(enum.Enum):
-    IN_ORDER = "in_order"  # the next sequence number: applied on top
-    RESET = "reset"  # the sequence went back (a restarted worker): cleared, then applied
-    GAP = "gap"  # sequence numbers were skipped: cleared, then applied
-    DUPLICATE = "duplicate"  # already applied (a replayed batch seen live too): ignored
+from disagg.worker.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from disagg.worker.kv_events.wire import Applied, sequence_outcome
 
 
 @dataclass
@@ -54,15 +47,10 @@ class KVIndex:
         replayed: the batch came from the replay socket, where a sequence at or below the last one is a
         duplicate rather than a restart."""
         entry = self.endpoints.setdefault(url, EndpointBlocks())
-        outcome, lost = Applied.IN_ORDER, 0
-        expected = 0 if entry.last_seq is None else entry.last_seq + 1
-        if seq < expected and replayed:
-            return Applied.DUPLICATE, 0
-        if seq < expected:
-            outcome = Applied.RESET
-            entry.clear()
-        elif seq > expected:  # a first batch past 0 is a late join (the replay buffer had wrapped): not a loss
-            outcome, lost = Applied.GAP, seq - expected if entry.last_seq is not None else 0
+        outcome, lost = sequence_outcome(seq, entry.last_seq, replayed)
+        if outcome is Applied.DUPLICATE:
+            return outcome, lost
+        if outcome is not Applied.IN_ORDER:  # a restart, or a gap whose lost batches may have removed blocks
             entry.clear()
         entry.last_seq = seq
         for event in events:

@@ -8,49 +8,59 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from disagg.worker.server.metrics import E2E_BUCKETS, LABELS, TTFT_BUCKETS
 
 
+# The router's metric names, the one place they are written (a counter renders with "_total" appended)
+HOP_REQUESTS = "disagg:router_hop_requests"
+HOP_ERRORS = "disagg:router_hop_errors"
+HOP_LATENCY = "disagg:router_hop_latency_seconds"
+REQUESTS = "disagg:router_requests"
+DECODE_ALONE = "disagg:router_decode_alone"
+HOP_TIMEOUTS = "disagg:router_hop_timeouts"
+EJECTIONS = "disagg:router_ejections"
+BROKEN_STREAMS = "disagg:router_broken_streams"
+PREFIX_PROMPT_TOKENS = "disagg:router_prefix_prompt_tokens"
+PREFIX_HIT_TOKENS = "disagg:router_prefix_hit_tokens"
+EARLY_FIRST_TOKENS = "disagg:router_early_first_tokens"
+PREFILL_SKIPPED = "disagg:router_prefill_skipped"
+KV_EVENTS = "disagg:router_kv_events"
+KV_EVENTS_LOST = "disagg:router_kv_events_lost"
+TTFT = "disagg:router_time_to_first_token_seconds"
+
+
 class RouterMetrics:
     """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
 
     def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
+        r = self.registry
         labels = (*LABELS, "hop")
         self.model_name = model_name  # "" until the router learns it from a worker
-        self.hop_requests = Counter("disagg:router_hop_requests", "Requests sent to a worker, per hop.", labels,
-                                    registry=self.registry)
-        self.hop_errors = Counter("disagg:router_hop_errors", "Failed hops (connection error, 5xx, broken "
-                                  "stream), per hop.", labels, registry=self.registry)
-        self.hop_latency = Histogram("disagg:router_hop_latency_seconds", "Hop latency: prefill until the "
-                                     "response, decode until the last byte.", labels, buckets=E2E_BUCKETS,
-                                     registry=self.registry)
-        self.requests = Counter("disagg:router_requests", "Client requests, by outcome.",
-                                (*LABELS, "outcome"), registry=self.registry)
-        self.decode_alone = Counter("disagg:router_decode_alone", "Client requests the decode worker computed "
-                                    "alone: prefill endpoints are configured but none gave KV.", LABELS,
-                                    registry=self.registry)
-        self.hop_timeouts = Counter("disagg:router_hop_timeouts", "Hops that ran past a bound, per hop and "
-                                    "stage (connect, first_byte, idle, total).", (*labels, "stage"),
-                                    registry=self.registry)
-        self.ejections = Counter("disagg:router_ejections", "Worker endpoints ejected by outlier detection, per "
-                                 "hop (role).", labels, registry=self.registry)
-        self.broken_streams = Counter("disagg:router_broken_streams", "Decode streams ended with an SSE error "
-                                      "event after they had started, by cause (error, idle, total).",
-                                      (*LABELS, "cause"), registry=self.registry)
-        self.prefix_prompt_tokens = Counter("disagg:router_prefix_prompt_tokens", "Prompt tokens of the requests "
-                                            "routed by the prefix-aware policy.", LABELS, registry=self.registry)
-        self.prefix_hit_tokens = Counter("disagg:router_prefix_hit_tokens", "Of those, the tokens the chosen decode "
-                                         "endpoint held in its prefix cache (by its KV events).", LABELS,
-                                         registry=self.registry)
-        self.early_first_tokens = Counter("disagg:router_early_first_tokens", "Streamed requests whose first "
-                                          "token was sent from the prefill's answer, before the decode hop.", LABELS,
-                                          registry=self.registry)
-        self.prefill_skipped = Counter("disagg:router_prefill_skipped", "Requests sent to decode alone because it "
-                                       "held all but a few blocks of the prompt.", LABELS, registry=self.registry)
-        self.kv_events_total = Counter("disagg:router_kv_events", "KV-cache events received from workers.", LABELS,
-                                 registry=self.registry)
-        self.kv_events_lost_total = Counter("disagg:router_kv_events_lost", "KV-cache event batches lost (sequence gaps "
-                                      "not replayed, undecodable batches).", LABELS, registry=self.registry)
-        self.ttft = Histogram("disagg:router_time_to_first_token_seconds", "Router-side time to the first "
-                              "streamed byte, from the request's arrival.", LABELS, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.hop_requests = Counter(HOP_REQUESTS, "Requests sent to a worker, per hop.", labels, registry=r)
+        self.hop_errors = Counter(HOP_ERRORS, "Failed hops (connection error, 5xx, broken stream), per hop.",
+                                  labels, registry=r)
+        self.hop_latency = Histogram(HOP_LATENCY, "Hop latency: prefill until the response, decode until the last "
+                                     "byte.", labels, buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter(REQUESTS, "Client requests, by outcome.", (*LABELS, "outcome"), registry=r)
+        self.decode_alone = Counter(DECODE_ALONE, "Client requests the decode worker computed alone: prefill "
+                                    "endpoints are configured but none gave KV.", LABELS, registry=r)
+        self.hop_timeouts = Counter(HOP_TIMEOUTS, "Hops that ran past a bound, per hop and stage (connect, "
+                                    "first_byte, idle, total).", (*labels, "stage"), registry=r)
+        self.ejections = Counter(EJECTIONS, "Worker endpoints ejected by outlier detection, per hop (role).",
+                                 labels, registry=r)
+        self.broken_streams = Counter(BROKEN_STREAMS, "Decode streams ended with an SSE error event after they had "
+                                      "started, by cause (error, idle, total).", (*LABELS, "cause"), registry=r)
+        self.prefix_prompt_tokens = Counter(PREFIX_PROMPT_TOKENS, "Prompt tokens of the requests routed by the "
+                                            "prefix-aware policy.", LABELS, registry=r)
+        self.prefix_hit_tokens = Counter(PREFIX_HIT_TOKENS, "Of those, the tokens the chosen decode endpoint held "
+                                         "in its prefix cache (by its KV events).", LABELS, registry=r)
+        self.early_first_tokens = Counter(EARLY_FIRST_TOKENS, "Streamed requests whose first token was sent from "
+                                          "the prefill's answer, before the decode hop.", LABELS, registry=r)
+        self.prefill_skipped = Counter(PREFILL_SKIPPED, "Requests sent to decode alone because it held all but a "
+                                       "few blocks of the prompt.", LABELS, registry=r)
+        self.kv_events_total = Counter(KV_EVENTS, "KV-cache events received from workers.", LABELS, registry=r)
+        self.kv_events_lost_total = Counter(KV_EVENTS_LOST, "KV-cache event batches lost (sequence gaps not "
+                                            "replayed, undecodable batches).", LABELS, registry=r)
+        self.ttft = Histogram(TTFT, "Router-side time to the first streamed byte, from the request's arrival.",
+                              LABELS, buckets=TTFT_BUCKETS, registry=r)
 
     def hop(self, hop: str, latency_s: float, error: bool) -> None:
         self.hop_requests.labels(self.model_name, "router", hop).inc()

@@ -1,4 +1,5 @@
-"""The prefix-aware policy's decision (pure; no I/O): where a prompt's KV already is, weighed against load.
+"""The prefix-aware policy (pure; no I/O): where a prompt's KV already is, weighed against load. Its adapter,
+prefix_router.py, tokenizes the request and reads each endpoint's cached prefix from the KV index.
 
 Cost of an endpoint for one prompt, in prompt tokens: the tokens it would still compute (prompt minus its cached
 prefix) plus `load_cost_tokens` per request it has in flight (and per unit of KV usage), so a hot prefix moves to
@@ -7,7 +8,10 @@ when that decode endpoint already holds all but `skip_prefill_max_missing_blocks
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from disagg.worker.router.policy import Candidate, Prompt, RoutePlan, RoutingPolicy, rank_by_load
 
 
 @dataclass
@@ -23,29 +27,6 @@ class PrefixPolicyConfig:
             raise ValueError(f"load_cost_tokens must be >= 0, got {self.load_cost_tokens}")
         if self.skip_prefill_max_missing_blocks < 0:
             raise ValueError(f"skip_prefill_max_missing_blocks must be >= 0, got {self.skip_prefill_max_missing_blocks}")
-
-
-@dataclass
-class Candidate:
-    url: str
-    hit_blocks: int  # leading full blocks of the prompt it holds (by its KV events)
-    block_size: int  # tokens per block
-    load: float  # requests in flight (this router's or its own count, whichever is larger)
-    kv_usage: float = 0.0  # 0..1
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.hit_blocks * self.block_size
-
-
-@dataclass
-class RoutePlan:
-    prompt_tokens: int
-    decode_costs: dict[str, float]  # url -> cost (EndpointPool.pick takes the cheapest available)
-    prefill_costs: dict[str, float]
-    decode_url: str | None  # the cheapest decode endpoint now
-    decode_hit_tokens: int  # its cached prefix
-    skip_prefill: bool  # the decode endpoint computes the few missing blocks itself
 
 
 def cost(c: Candidate, prompt_tokens: int, cfg: PrefixPolicyConfig) -> float:
@@ -64,5 +45,22 @@ def plan_route(prompt_tokens: int, num_full_blocks: dict[int, int], decode: list
     if best is not None and best.hit_blocks > 0:
         missing_blocks = num_full_blocks.get(best.block_size, 0) - best.hit_blocks
         skip = missing_blocks <= cfg.skip_prefill_max_missing_blocks
-    return RoutePlan(prompt_tokens, decode_costs, prefill_costs, best.url if best else None,
-                     best.hit_tokens if best else 0, skip)
+    return RoutePlan(decode_costs, prefill_costs, skip, prompt_tokens, best.url if best else None,
+                     best.hit_tokens if best else 0)
+
+
+@dataclass(frozen=True)
+class PrefixAware(RoutingPolicy):
+    name = "prefix-aware"
+    reads_prefixes = True
+    config: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
+
+    def plan(self, prompt: Prompt | None, decode: Sequence[Candidate], prefill: Sequence[Candidate]) -> RoutePlan:
+        """No prompt (no tokenizer yet, a request the worker will reject): no costs, every pick by load."""
+        if prompt is None:
+            return RoutePlan()
+        return plan_route(prompt.tokens, prompt.full_blocks, list(decode), list(prefill), self.config)
+
+    def rank(self, candidates: Sequence[Candidate], turn: int,
+             costs: Mapping[str, float] | None = None) -> list[Candidate]:
+        return rank_by_load(candidates, turn, costs)

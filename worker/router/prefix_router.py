@@ -1,10 +1,10 @@
-"""The prefix-aware policy's adapter: tokenizes a request as the worker will, hashes its blocks as the engine
-does (block_pool.hash_request_blocks), reads each endpoint's cached prefix from the KVIndex and load from the
-pools, and asks prefix_policy.plan_route. The tokenizer is the served model's: a local directory
-(`--tokenizer`) or the files a worker serves at GET /tokenizer. vLLM workers serve neither: there the prompt's
-token ids come from a worker's POST /tokenize for each request (vLLM's own chat template and special tokens,
-so the ids are exactly the ones it will cache; one loopback round trip, bounded, and on any failure the request
-is routed by load alone)."""
+"""The adapter of a policy that reads prefixes (prefix-aware): tokenizes a request as the worker will, hashes its
+blocks as the engine does (block_pool.hash_request_blocks), reads each endpoint's cached prefix from the KVIndex
+and load from the pools, and asks the policy's plan (prefix_policy.py). The tokenizer is the served model's: a
+local directory (`--tokenizer`) or the files a worker serves at GET /tokenizer. vLLM workers serve neither: there
+the prompt's token ids come from a worker's POST /tokenize for each request (vLLM's own chat template and special
+tokens, so the ids are exactly the ones it will cache; one loopback round trip, bounded, and on any failure the
+request is routed by load alone)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,14 +20,14 @@ from disagg.worker.engine.block_pool import hash_request_blocks
 from disagg.worker.model.tokenizer import Tokenizer
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.kv_index import KVIndex
-from disagg.worker.router.kv_subscriber import EventsDirectory, KVEventSubscriptions
+from disagg.worker.kv_events.subscriber import EventsDirectory, KVEventSubscriptions
 from disagg.worker.router.metrics import RouterMetrics
-from disagg.worker.router.prefix_policy import Candidate, PrefixPolicyConfig, RoutePlan, plan_route
+from disagg.worker.router.policy import DEFAULT_BLOCK_SIZE, Candidate, Prompt, RoutePlan, RoutingPolicy
+from disagg.worker.router.prefix_policy import PrefixAware, PrefixPolicyConfig
 from disagg.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16  # the workers' default, for endpoints that have not announced a block yet
 TOKENIZE_TIMEOUT_S = 2.0  # a worker's POST /tokenize; past it the request goes by load alone
 # the chat request's fields vLLM's chat template rendering reads (its TokenizeChatRequest takes the same)
 CHAT_TOKENIZE_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message",
@@ -53,8 +53,10 @@ def tokenize_body(body: dict[str, Any], path: str) -> dict[str, Any] | list[int]
 
 
 class PrefixRouter:
-    def __init__(self, config: PrefixPolicyConfig, metrics: RouterMetrics, tokenizer: Tokenizer | None = None):
-        self.config = config
+    def __init__(self, policy: RoutingPolicy | PrefixPolicyConfig, metrics: RouterMetrics,
+                 tokenizer: Tokenizer | None = None):
+        # a policy that reads prefixes; a PrefixPolicyConfig stands for the prefix-aware policy with it
+        self.policy = PrefixAware(policy) if isinstance(policy, PrefixPolicyConfig) else policy
         self.metrics = metrics
         self.tokenizer = tokenizer  # None until learned from a worker
         self.tokenize_remotely = False  # the workers are vLLM: ask one's POST /tokenize per request
@@ -103,11 +105,12 @@ class PrefixRouter:
                 if bs not in hashes:  # the engine keeps one token to compute: at most (n - 1) // bs blocks hit
                     hashes[bs] = hash_request_blocks(ids[: (len(ids) - 1) // bs * bs], bs, [])
                 out.append(Candidate(ep.url, self.index.prefix_blocks(ep.url, hashes[bs]), bs, ep.load(),
-                                     ep.kv_usage))
+                                     ep.kv_usage, ep.revision))
             return out
 
         decode_c, prefill_c = candidates(decode), candidates(prefill)
-        plan = plan_route(len(ids), {bs: len(h) for bs, h in hashes.items()}, decode_c, prefill_c, self.config)
+        prompt = Prompt(len(ids), {bs: len(h) for bs, h in hashes.items()})
+        plan = self.policy.plan(prompt, decode_c, prefill_c)
         self.metrics.prefix_decision(plan.prompt_tokens, plan.decode_hit_tokens)
         return plan
 

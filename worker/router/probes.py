@@ -6,16 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
 from disagg.worker.router import outliers
 from disagg.worker.router.endpoints import Endpoint, EndpointPool, load_from_metrics
-
-if TYPE_CHECKING:
-    from disagg.worker.router.proxy import RouterState
-    from disagg.worker.router.timeouts import Deadline
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.timeouts import Deadline
 
 logger = logging.getLogger(__name__)
 

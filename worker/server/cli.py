@@ -39,7 +39,7 @@ def kv_events_publisher(args: argparse.Namespace) -> Any:
     """The ZMQ publisher when --kv-events-endpoint is given, else None; ValueError on a bad or busy address."""
     if not args.kv_events_endpoint:
         return None
-    from disagg.worker.server.kv_events_publisher import ZmqEventPublisher, replay_endpoint_for
+    from disagg.worker.kv_events.publisher import ZmqEventPublisher, replay_endpoint_for
 
     replay = args.kv_events_replay_endpoint or replay_endpoint_for(args.kv_events_endpoint)
     return ZmqEventPublisher(args.kv_events_endpoint, replay, args.block_size, topic=args.kv_events_topic)

@@ -43,7 +43,7 @@ from waiting import wait_for  # noqa: E402
 from disagg.operator.autoscaling import cluster as sc  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
-from disagg.operator.reconcile import ANNOTATION_LAST_APPLIED  # noqa: E402
+from disagg.operator import naming  # noqa: E402
 from disagg.worker.local.process import free_port  # noqa: E402
 
 DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
@@ -174,7 +174,7 @@ class Driver:
 
     def deletion_cost_marked(self, ns: str) -> list[str]:
         return sorted(p["metadata"]["name"] for p in self.store.list_objects("", "v1", "pods", ns)
-                      if sc.ANNOTATION_DELETION_COST in (p["metadata"].get("annotations") or {}))
+                      if naming.ANNOTATION_DELETION_COST in (p["metadata"].get("annotations") or {}))
 
     def play_deployment_controller(self, ns: str) -> None:
         for dep in self.deployments(ns):
@@ -209,10 +209,10 @@ class WorkerPods:
         worker.set(**load)
         pod = f"{self.name}-{role}-{worker.port}"
         self.workers[pod] = worker
-        labels = m.selector_labels(m.Owner(name=self.name, namespace=self.ns, uid=""), role)
+        labels = naming.selector_labels(self.name, role)
         self.d.send("POST", f"/api/v1/namespaces/{self.ns}/pods", {
             "metadata": {"name": pod, "labels": labels,
-                         "annotations": {sc.ANNOTATION_METRICS_PORT: str(worker.port)}},
+                         "annotations": {naming.ANNOTATION_METRICS_PORT: str(worker.port)}},
             "spec": {"containers": [{"name": role, "image": "x"}]}})
         self.d.send("PATCH", f"/api/v1/namespaces/{self.ns}/pods/{pod}/status", {"status": {
             "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
@@ -266,8 +266,8 @@ def update_upgrade_break_delete(d: Driver, ns: str, name: str, example: dict[str
     old = json.dumps({"metadata": {"labels": {"older-operator": "true"}}})
     for key, obj in d.children(ns):
         d.send("PATCH", d.object_path(key, ns, obj["metadata"]["name"]),
-               {"metadata": {"annotations": {ANNOTATION_LAST_APPLIED: old}}}, merge=True)
-    wait_for(lambda: all(obj["metadata"]["annotations"][ANNOTATION_LAST_APPLIED] != old
+               {"metadata": {"annotations": {naming.ANNOTATION_LAST_APPLIED: old}}}, merge=True)
+    wait_for(lambda: all(obj["metadata"]["annotations"][naming.ANNOTATION_LAST_APPLIED] != old
                          for _, obj in d.children(ns)), 10, "every child patched to the current manifests")
     broken = copy.deepcopy(example)
     broken["metadata"]["name"] = "broken"

@@ -3,7 +3,7 @@ processes: a prefill and a decode worker (`disagg worker`, tiny checkpoint), two
 P/D; one whose only prefill worker crashed, so it falls back to decode alone) and the
 operator's metrics server (the OperatorMetrics registry served by prometheus_client as `disagg operator
 --metrics-port` does), fed by autoscaling decisions made on samples read from that Prometheus
-(`metricsSource: prometheus`, operator/autoscaling/sources.py).
+(`metricsSource: prometheus`, operator/src/autoscaling/sources.py).
 
 Targets carry the labels the chart's PodMonitors give them in a cluster (job = component, namespace, pod,
 app_kubernetes_io_instance/component; honor_labels for the operator), so the queries run here unchanged."""

@@ -18,6 +18,7 @@ from emulator import EmulatorThread
 from waiting import wait_for
 
 from disagg.operator.autoscaling import cluster as sc
+from disagg.operator import naming
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
@@ -38,7 +39,8 @@ def add_pod(api: EmulatorThread, role: str, worker: FakeWorker) -> str:
     labels = {"app.kubernetes.io/name": "disagg", "app.kubernetes.io/instance": NAME,
               "app.kubernetes.io/component": role}
     pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "labels": labels, "annotations": {sc.ANNOTATION_METRICS_PORT: str(worker.port)}},
+           "metadata": {"name": name, "labels": labels,
+                        "annotations": {naming.ANNOTATION_METRICS_PORT: str(worker.port)}},
            "spec": {"containers": [{"name": role, "image": "x"}]}}
     status = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
     with api.client() as http:
@@ -123,7 +125,7 @@ def test_scale_down_marks_the_least_loaded_pod(cluster, operator, example, worke
     wait_for(lambda: replicas(cluster, "decode") == 1, what="decode scaled to 1")
     idle_pod = next(name for name in pods if name.endswith(str(idle.port)))
     cost = {name: (cluster.emulator.get_object("", "v1", "pods", NS, name)["metadata"].get("annotations") or {})
-            .get(sc.ANNOTATION_DELETION_COST) for name, role in pods.items() if role == "decode"}
+            .get(naming.ANNOTATION_DELETION_COST) for name, role in pods.items() if role == "decode"}
     assert cost == {idle_pod: sc.VICTIM_DELETION_COST, next(n for n in cost if n != idle_pod): None}
     [event] = wait_for(lambda: events(cluster, "ScaledDown"), what="a ScaledDown Event")
     assert event["message"] == "scaled decode from 2 to 1: Underutilized"

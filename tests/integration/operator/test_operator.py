@@ -16,6 +16,7 @@ from operator_harness import CR, EXAMPLES, RESYNC_SECONDS, OperatorThread, quies
 from waiting import wait_for
 
 from disagg.operator import manifests as m
+from disagg.operator import naming
 
 NS = "default"
 NAME = "llama3-8b"
@@ -117,7 +118,7 @@ def test_resource_becomes_children_with_owner_references_and_pod_templates(clust
             assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == \
                 ("DisaggregatedInference", NAME, owner_uid, True)
             labels = obj["metadata"]["labels"]
-            assert labels[m.LABEL_INSTANCE] == NAME and labels[m.LABEL_MANAGED_BY] == m.MANAGED_BY
+            assert labels[naming.LABEL_INSTANCE] == NAME and labels[naming.LABEL_MANAGED_BY] == naming.MANAGED_BY
 
     prefill = deployment(cluster, "prefill")
     pod = prefill["spec"]["template"]["spec"]
@@ -132,7 +133,7 @@ def test_resource_becomes_children_with_owner_references_and_pod_templates(clust
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
     assert pod["terminationGracePeriodSeconds"] == 120
-    assert m.ANNOTATION_CONFIG_HASH in prefill["spec"]["template"]["metadata"]["annotations"]
+    assert naming.ANNOTATION_CONFIG_HASH in prefill["spec"]["template"]["metadata"]["annotations"]
     router = deployment(cluster, "router")["spec"]["template"]["spec"]
     assert router["serviceAccountName"] == f"{NAME}-router"
     assert "--prefill-selector" in router["containers"][0]["args"]
@@ -184,9 +185,9 @@ def test_spec_update_rolls_both_pools_and_stays_progressing_until_both_run_it(cl
         "0.2.0"), what="new image in both pools")
     for role in ("prefill", "decode"):
         old_t, new_t = before[role]["spec"]["template"], deployment(cluster, role)["spec"]["template"]
-        assert new_t["metadata"]["annotations"][m.ANNOTATION_CONFIG_HASH] != \
-            old_t["metadata"]["annotations"][m.ANNOTATION_CONFIG_HASH]
-        assert new_t["metadata"]["labels"][m.LABEL_REVISION] != old_t["metadata"]["labels"][m.LABEL_REVISION]
+        assert new_t["metadata"]["annotations"][naming.ANNOTATION_CONFIG_HASH] != \
+            old_t["metadata"]["annotations"][naming.ANNOTATION_CONFIG_HASH]
+        assert new_t["metadata"]["labels"][naming.LABEL_REVISION] != old_t["metadata"]["labels"][naming.LABEL_REVISION]
     wait_for(cond_is(cluster, "Progressing", "True", "RolloutInProgress"), what="Progressing")
     assert cr(cluster)["status"]["revision"] != old_revision
 

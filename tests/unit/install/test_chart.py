@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 from disagg.operator import cli as operator_cli  # noqa: E402
 from disagg.operator import manifests as m  # noqa: E402
 from disagg.operator import spec as s  # noqa: E402
+from disagg.operator import naming  # noqa: E402
 
 CHART = ROOT / "charts" / "disagg-operator"
 SCENARIOS = ["default", *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
@@ -224,7 +225,7 @@ def worker_pod_templates() -> list[dict]:
     owner = m.Owner(name="llama3-8b", namespace="team-a", uid="uid-1")
     spec = s.parse_spec(example["spec"])
     deployments = [d for d in m.desired_children(owner, spec) if d["kind"] == "Deployment"]
-    assert {d["metadata"]["labels"][m.LABEL_COMPONENT] for d in deployments} == {"prefill", "decode", "router"}
+    assert {d["metadata"]["labels"][naming.LABEL_COMPONENT] for d in deployments} == {"prefill", "decode", "router"}
     return [d["spec"]["template"] for d in deployments]
 
 

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from disagg.operator import spec as s
-from disagg.operator.worker_command import Placement, build_worker_command
+from disagg.operator.checks import semantic_problems
+from disagg.operator.placement import Placement
+from disagg.operator.worker_command import build_worker_command
 from disagg.worker.kv_transfer import connectors
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.kv_transfer.factory import resolve_connector_class
@@ -44,7 +46,7 @@ def spec_with(connector: str) -> s.DisaggregatedInferenceSpec:
 
 def test_a_declared_connector_is_accepted_started_and_loaded_by_name(declared):
     spec = spec_with("ExampleConnector")
-    assert s.semantic_problems(spec, "local") == []
+    assert semantic_problems(spec, "local") == []
     argv = build_worker_command(spec, "decode", Placement("127.0.0.1", 8100, "127.0.0.1", 8101, "/m")).argv
     assert argv[argv.index("--kv-example-port") + 1] == "8101"
     args = parse_worker_args(argv[2:])
@@ -57,7 +59,7 @@ def test_a_declared_connector_is_accepted_started_and_loaded_by_name(declared):
 
 
 def test_without_the_declaration_the_name_is_rejected_everywhere():
-    assert [p.path for p in s.semantic_problems(spec_with("ExampleConnector"), "local")] == \
+    assert [p.path for p in semantic_problems(spec_with("ExampleConnector"), "local")] == \
         ["spec.kvTransfer.connector"]
     with pytest.raises(ValueError, match="--kv-example-port"):
         parse_worker_args(["--kv-connector", "ExampleConnector", "--kv-example-port", "1"])
@@ -68,7 +70,7 @@ def test_without_the_declaration_the_name_is_rejected_everywhere():
 def test_an_out_of_tree_connector_by_module_path_needs_no_declaration(tmp_path):
     path = f"{__name__}:ExampleConnector"
     spec = spec_with(path)
-    assert s.semantic_problems(spec, "local") == []
+    assert semantic_problems(spec, "local") == []
     argv = build_worker_command(spec, "prefill", Placement("127.0.0.1", 8100, "127.0.0.1", 8101, "/m")).argv
     config = kv_transfer_config(parse_worker_args([*argv[2:], "--kv-connector-extra-config",
                                                    f'{{"shared_storage_path": "{tmp_path}"}}']))

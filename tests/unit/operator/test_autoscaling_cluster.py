@@ -15,6 +15,7 @@ from disagg.operator.autoscaling import sources
 from disagg.operator.autoscaling.report import status_metrics
 from disagg.operator.autoscaling.scaling_pass import PassState
 from disagg.operator.kube import ApiError, TransientApiError
+from disagg.operator import naming
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 NAME, NS = "llama3-8b", "ns"
@@ -32,7 +33,7 @@ class PodCluster(FakeCluster):
                   "app.kubernetes.io/component": role}
         meta: dict[str, Any] = {"name": name, "namespace": NS, "labels": labels}
         if port is not None:
-            meta["annotations"] = {sc.ANNOTATION_METRICS_PORT: str(port)}
+            meta["annotations"] = {naming.ANNOTATION_METRICS_PORT: str(port)}
         self.objects[("Pod", NS, name)] = {
             "apiVersion": "v1", "kind": "Pod", "metadata": meta,
             "status": {"phase": "Running", "podIP": f"10.0.0.{index}",
@@ -128,12 +129,12 @@ def test_decode_bound_scales_the_deployment_and_reports_in_status(cluster):
 def test_scale_down_marks_the_least_loaded_pod_and_clears_old_marks(cluster):
     setup(cluster, autoscaling_example(), [0.1, 0.1])
     busy = f"{NAME}-decode-2"
-    cluster.objects[("Pod", NS, busy)]["metadata"]["annotations"] = {sc.ANNOTATION_DELETION_COST: "-1000"}
+    cluster.objects[("Pod", NS, busy)]["metadata"]["annotations"] = {naming.ANNOTATION_DELETION_COST: "-1000"}
     result = decide(cluster)
     assert [(c.role, c.to_replicas, c.reason) for c in result.changes] == [("decode", 1, "Underutilized")]
     assert result.cost_patched == [f"{NAME}-decode-1", busy]  # decode-1 runs 10 requests, decode-2 runs 20
     cost = lambda pod: (cluster.objects[("Pod", NS, pod)]["metadata"].get("annotations") or {}).get(  # noqa: E731
-        sc.ANNOTATION_DELETION_COST)
+        naming.ANNOTATION_DELETION_COST)
     assert (cost(f"{NAME}-decode-1"), cost(busy)) == ("-1000", None)
     assert dep_replicas(cluster, "decode") == 1
     run_pass(cluster)

@@ -12,6 +12,7 @@ import yaml
 
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
+from disagg.operator import naming
 
 ROOT = Path(__file__).resolve().parents[3]
 BASE = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())["spec"]
@@ -166,8 +167,8 @@ def test_worker_pod_contract():
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     # the selector never includes the revision: it is immutable on a Deployment
-    assert m.LABEL_REVISION not in dep["spec"]["selector"]["matchLabels"]
-    assert dep["spec"]["template"]["metadata"]["labels"][m.LABEL_REVISION] == m.serving_revision(spec_with())
+    assert naming.LABEL_REVISION not in dep["spec"]["selector"]["matchLabels"]
+    assert dep["spec"]["template"]["metadata"]["labels"][naming.LABEL_REVISION] == m.serving_revision(spec_with())
     assert dep["metadata"]["ownerReferences"] == [OWNER.reference()]
 
 
@@ -247,7 +248,7 @@ def test_what_rolls_which_pool(changes, revision_changes, prefill_rolls, decode_
 
     def config_hash(spec, role):
         return m.build_worker_deployment(OWNER, spec, role)["spec"]["template"]["metadata"]["annotations"][
-            m.ANNOTATION_CONFIG_HASH]
+            naming.ANNOTATION_CONFIG_HASH]
     assert (config_hash(before, "prefill") != config_hash(after, "prefill")) == prefill_rolls
     assert (config_hash(before, "decode") != config_hash(after, "decode")) == decode_rolls
 
@@ -267,7 +268,7 @@ def test_router_and_services():
     assert m.router_endpoint(OWNER, spec) == "http://llama.serving.svc:80"
     headless = m.build_headless_service(OWNER, "prefill")
     assert headless["spec"]["clusterIP"] == "None"
-    assert headless["spec"]["selector"][m.LABEL_COMPONENT] == "prefill"
+    assert headless["spec"]["selector"][naming.LABEL_COMPONENT] == "prefill"
 
 
 def test_children_are_named_labelled_and_owned():
@@ -278,7 +279,7 @@ def test_children_are_named_labelled_and_owned():
                      ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-router")]
     for c in children:
         assert c["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
-        assert c["metadata"]["labels"][m.LABEL_MANAGED_BY] == m.MANAGED_BY
+        assert c["metadata"]["labels"][naming.LABEL_MANAGED_BY] == naming.MANAGED_BY
         assert c["metadata"]["namespace"] == "serving"
 
 

@@ -13,6 +13,7 @@ from k8s_patch import apply_merge_patch
 from disagg.operator import reconcile as r
 from disagg.operator import spec as s
 from disagg.operator.kube import PLURALS
+from disagg.operator import naming
 
 ROOT = Path(__file__).resolve().parents[3]
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -232,7 +233,7 @@ def test_with_autoscaling_a_deployment_from_an_older_operator_is_patched_without
     run_pass(cluster)
     scale(cluster, "decode", 6)
     dep = cluster.objects[("Deployment", "ns", "llama3-8b-decode")]
-    dep["metadata"]["annotations"][r.ANNOTATION_LAST_APPLIED] = '{"metadata":{"labels":{"older":"true"}}}'
+    dep["metadata"]["annotations"][naming.ANNOTATION_LAST_APPLIED] = '{"metadata":{"labels":{"older":"true"}}}'
     cluster.writes.clear()
     result = run_pass(cluster)
     assert result.children_written == ["Deployment/llama3-8b-decode"] and replicas(cluster) == (2, 6)

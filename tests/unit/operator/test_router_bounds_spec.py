@@ -9,6 +9,8 @@ import yaml
 
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
+from disagg.operator.checks import check_spec
+from disagg.operator.router_command import bound_args
 from disagg.worker.local.launcher import plan
 from disagg.worker.router import cli as router_cli
 
@@ -46,7 +48,7 @@ def test_router_bounds_reach_the_router_pod_and_the_local_router():
 def test_defaults_are_the_routers_own():
     spec = s.parse_spec(copy.deepcopy(BASE))
     defaults = parsed_router_args(["router"])
-    assert parsed_router_args(["router", *spec.router.bound_args("disagg")]) == defaults
+    assert parsed_router_args(["router", *bound_args(spec.router, "disagg")]) == defaults
 
 
 def test_vllm_workers_get_longer_to_answer_their_probes_unless_the_spec_says():
@@ -55,15 +57,15 @@ def test_vllm_workers_get_longer_to_answer_their_probes_unless_the_spec_says():
     spec = s.parse_spec({**copy.deepcopy(BASE), "engine": "vllm"})
     args = m.build_router_deployment(OWNER, spec)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert parsed_router_args(args)["unresponsive_after"] == 60.0
-    assert parsed_router_args(["router", *spec.router.bound_args("disagg")])["unresponsive_after"] == 8.0
+    assert parsed_router_args(["router", *bound_args(spec.router, "disagg")])["unresponsive_after"] == 8.0
     spec = s.parse_spec({**copy.deepcopy(BASE), "engine": "vllm", "router": {"timeouts": {"unresponsiveSeconds": 0}}})
-    assert parsed_router_args(["router", *spec.router.bound_args("vllm")])["unresponsive_after"] == 0.0
+    assert parsed_router_args(["router", *bound_args(spec.router, "vllm")])["unresponsive_after"] == 0.0
 
 
 def test_contradicting_bounds_are_named():
     raw = {**copy.deepcopy(BASE), "router": {"timeouts": {"idleSeconds": 700},
                                              "outlierDetection": {"baseEjectionSeconds": 60,
                                                                   "maxEjectionSeconds": 30}}}
-    _, problems = s.check_spec(raw, "local")
+    _, problems = check_spec(raw, "local")
     fields = {p.path for p in problems}
     assert {"spec.router.timeouts.idleSeconds", "spec.router.outlierDetection.maxEjectionSeconds"} <= fields

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from openapi_schema_validator import OAS30Validator
 
 from disagg.operator import crd, validate
 from disagg.operator import spec as s
+from disagg.operator.checks import semantic_problems
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -136,15 +139,15 @@ def test_schema_accepts_but_operator_rejects(changes: dict[str, Any], path: str)
 def test_connector_names(connector: str, ok: bool):
     spec = s.parse_spec(with_spec(**{"kvTransfer.connector": connector,
                                      "kvTransfer.sharedStorage": {"claimName": "kv"}})["spec"])
-    assert (not s.semantic_problems(spec, "kubernetes")) == ok
+    assert (not semantic_problems(spec, "kubernetes")) == ok
 
 
 def test_model_source_kind_and_local_target():
     local = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
     spec = s.parse_spec(local["spec"])
     assert spec.model.source.kind == "generated"
-    assert s.semantic_problems(spec, "local") == []
-    assert {p.path for p in s.semantic_problems(spec, "kubernetes")} == {"spec.image", "spec.model.source"}
+    assert semantic_problems(spec, "local") == []
+    assert {p.path for p in semantic_problems(spec, "kubernetes")} == {"spec.image", "spec.model.source"}
 
 
 def test_validate_prints_every_problem_with_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -166,9 +169,9 @@ def test_validate_prints_every_problem_with_its_path(tmp_path: Path, capsys: pyt
 
 
 def test_crd_command_writes_and_checks(tmp_path: Path):
-    args = argparse.Namespace(output_dir=tmp_path, check=True, stdout=False)
+    args = argparse.Namespace(out=[tmp_path], check=True, stdout=False)
     assert crd.run(args) == 1  # nothing there yet: drift
-    assert crd.run(argparse.Namespace(output_dir=tmp_path, check=False, stdout=False)) == 0
+    assert crd.run(argparse.Namespace(out=[tmp_path], check=False, stdout=False)) == 0
     assert crd.run(args) == 0
     assert yaml.safe_load((tmp_path / crd.FILE_NAME).read_text())["kind"] == "CustomResourceDefinition"
 
@@ -195,3 +198,24 @@ def test_autoscaling_fields_and_status_block():
     assert not list(schema_validator().iter_errors(doc))
     doc["spec"]["autoscaling"]["latencyPercentile"] = 99.5  # integers only
     assert list(schema_validator().iter_errors(doc))
+
+
+def test_crd_check_covers_both_copies_and_names_a_missing_checkout(tmp_path: Path):
+    """The documented command checks the repository's copy and the chart's; run elsewhere without --out it says
+    what is missing instead of writing a crds/ tree there."""
+    command = [sys.executable, "-m", "disagg.operator.crd", "--check"]
+    both = ["--out", "crds", "--out", "charts/disagg-operator/crds"]
+    for argv in (command, [*command, *both]):
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    stale = tmp_path / "charts" / "disagg-operator" / "crds"
+    stale.mkdir(parents=True)
+    (stale / crd.FILE_NAME).write_text("old\n")
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "crds" / crd.FILE_NAME).write_text(crd.render_crd())
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "disagg-operator/crds" in proc.stderr and "is out of date" in proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(command[:-1], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--out" in proc.stderr and not list(elsewhere.iterdir()), proc.stderr

@@ -21,6 +21,8 @@ import yaml
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
 from disagg.operator import validate
+from disagg.operator import naming
+from disagg.operator.plan import pod_model_dir
 from disagg.worker.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -120,7 +122,7 @@ def test_every_accepted_variant_starts_or_is_rejected_by_name(connector, source,
             if connector == "shared-storage":
                 assert args.shared_storage_path in mounts
             if connector == "nixl":
-                assert args.side_channel_host == "10.1.2.3" and args.side_channel_port == m.SIDE_CHANNEL_PORT
+                assert args.side_channel_host == "10.1.2.3" and args.side_channel_port == naming.SIDE_CHANNEL_PORT
         elif args.command == "fetch-model":
             worker = next(w for n, w in pod_containers(doc) if n == name and w["name"] != "fetch-model")
             assert args.dest == worker["args"][worker["args"].index("--model") + 1]
@@ -188,9 +190,9 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     pod = worker_container(doc, role)
     argv = [*pod["command"], *pod["args"]]
     spec = s.parse_spec(doc["spec"])
-    assert argv[:3] == ["vllm", "serve", m.model_dir(spec)]  # the positional model, as the fetch-model dest
+    assert argv[:3] == ["vllm", "serve", pod_model_dir(spec)]  # the positional model, as the fetch-model dest
     assert pod["image"] == doc["spec"]["engineImage"]
-    assert flag_value(argv, "--port") == str(m.HTTP_PORT)
+    assert flag_value(argv, "--port") == str(naming.HTTP_PORT)
     assert flag_value(argv, "--served-model-name") == doc["spec"]["model"]["servedName"]
     tp = doc["spec"][role]["tensorParallelSize"]
     assert flag_value(argv, "--tensor-parallel-size") == str(tp)
@@ -207,8 +209,8 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
     # the kubelet expands $(POD_IP) only from variables declared before it
     assert list(env).index("POD_IP") < list(env).index("VLLM_NIXL_SIDE_CHANNEL_HOST")
-    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(m.SIDE_CHANNEL_PORT)
-    assert {p["containerPort"] for p in pod["ports"]} == {m.HTTP_PORT, m.SIDE_CHANNEL_PORT}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(naming.SIDE_CHANNEL_PORT)
+    assert {p["containerPort"] for p in pod["ports"]} == {naming.HTTP_PORT, naming.SIDE_CHANNEL_PORT}
     # vLLM has no /ready; every probe is on /health
     assert {pod[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
     gpus = pod["resources"]["limits"]["nvidia.com/gpu"]

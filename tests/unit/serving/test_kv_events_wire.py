@@ -14,14 +14,15 @@ import zmq.asyncio
 
 from disagg.worker.engine.block_pool import hash_block_tokens
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
-from disagg.worker.engine.kv_events import EventBatch, KVEventCollector
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_events.collector import KVEventCollector
+from disagg.worker.kv_events.publisher import ZmqEventPublisher
+from disagg.worker.kv_events.schema import EventBatch
+from disagg.worker.kv_events.subscriber import EndpointSubscriber
 from disagg.worker.local.process import free_port
 from disagg.worker.router.kv_index import KVIndex
-from disagg.worker.router.kv_subscriber import EndpointSubscriber
 from disagg.worker.router.metrics import RouterMetrics
-from disagg.worker.server.kv_events_publisher import ZmqEventPublisher
 
 
 # ---- a consumer's view of the schema, as vLLM documents it (vllm/distributed/kv_events.py) ----------------
@@ -214,7 +215,7 @@ def counter(metrics: RouterMetrics, name: str) -> float:
 
 
 def test_subscriber_address_uses_the_worker_host_for_a_wildcard_bind():
-    from disagg.worker.router.kv_subscriber import subscriber_address
+    from disagg.worker.kv_events.subscriber import subscriber_address
 
     assert subscriber_address("http://10.1.2.3:8000", "tcp://0.0.0.0:5557") == "tcp://10.1.2.3:5557"
     assert subscriber_address("http://10.1.2.3:8000", "tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
@@ -225,14 +226,25 @@ def test_subscriber_address_uses_the_worker_host_for_a_wildcard_bind():
 @pytest.mark.parametrize("endpoint, replay", [("tcp://*:5557", "tcp://*:5558"), ("tcp://127.0.0.1:0", "tcp://127.0.0.1:*"),
                                               ("tcp://0.0.0.0:*", "tcp://0.0.0.0:*")])
 def test_the_replay_socket_defaults_to_the_next_port(endpoint, replay):
-    from disagg.worker.server.kv_events_publisher import replay_endpoint_for
+    from disagg.worker.kv_events.publisher import replay_endpoint_for
 
     assert replay_endpoint_for(endpoint) == replay
 
 
 @pytest.mark.parametrize("endpoint", ["ipc:///tmp/x", "tcp://host:port", "localhost:5557"])
 def test_a_bad_events_endpoint_is_named(endpoint):
-    from disagg.worker.server.kv_events_publisher import replay_endpoint_for
+    from disagg.worker.kv_events.publisher import replay_endpoint_for
 
     with pytest.raises(ValueError, match="--kv-events-endpoint"):
         replay_endpoint_for(endpoint)
+
+
+def test_the_framing_reads_back_what_it_writes_and_names_nothing_malformed():
+    """One framing for publisher and subscriber: a replay answer's end marker reads back as END_OF_REPLAY."""
+    from disagg.worker.kv_events import wire
+
+    assert wire.parse_live(list(wire.live_frames(b"t", 7, b"p"))) == (7, b"p")
+    assert wire.parse_replay_request([b"peer", *wire.replay_request(3)]) == (b"peer", 3)
+    assert wire.parse_replay_answer(list(wire.replay_frames(b"peer", b"t", 4, b"p"))[1:]) == (4, b"p")
+    assert wire.parse_replay_answer(list(wire.end_of_replay_frames(b"peer"))[1:])[0] == wire.END_OF_REPLAY
+    assert wire.parse_live([b"t", b"\x00", b"p"]) is None and wire.parse_replay_answer([b"", b"t"]) is None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from disagg.worker.engine.block_pool import hash_request_blocks
-from disagg.worker.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from disagg.worker.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.kv_index import Applied, KVIndex
-from disagg.worker.router.prefix_policy import Candidate, PrefixPolicyConfig, plan_route
+from disagg.worker.router.policy import Candidate
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig, plan_route
 
 BS = 4
 TOKENS = list(range(20))  # 5 full blocks
@@ -172,7 +173,7 @@ def test_a_restart_empties_the_translation_table():
 
 def test_our_workers_events_translate_to_themselves():
     """Our engine announces our hashes: the table maps each to itself, and the prefix is what it announced."""
-    from disagg.worker.engine.kv_events import KVEventCollector
+    from disagg.worker.kv_events.collector import KVEventCollector
 
     collector = KVEventCollector(BS)
     for i, h in enumerate(H):

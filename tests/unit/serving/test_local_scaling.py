@@ -14,14 +14,16 @@ import pytest
 from disagg.operator.autoscaling import samples as ms
 from disagg.operator.autoscaling.report import ScalingChange, scaling_line
 from disagg.operator.autoscaling.scaling_pass import choose_removals
+from disagg.operator.plan import initial_replicas
 from disagg.operator.spec import parse_spec
-from disagg.worker.local.launcher import initial_replicas, plan
+from disagg.worker.local.launcher import plan
 from disagg.worker.local.process import LocalProcess, ProcessSpec
 from disagg.worker.local.scaling import DRAINING, LEAVING, SERVING, STARTING, LocalAutoscaler, WorkerSet
-from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.app import build_app
 from disagg.worker.router.discovery import FileDiscovery, parse_endpoints, write_endpoints
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.proxy import RouterState, build_app
+from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.state import RouterState
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

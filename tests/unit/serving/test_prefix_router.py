@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
-from disagg.worker.engine.kv_events import KVEventCollector
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_events.collector import KVEventCollector
 from disagg.worker.model.tokenizer import Tokenizer
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
@@ -103,7 +103,7 @@ def test_vllm_tokenize_body(body, path, want):
 
 def test_events_directory_prefers_the_announced_entry_then_the_fixed_ports():
     from disagg.worker.router.discovery import parse_kv_events
-    from disagg.worker.router.kv_subscriber import EventsDirectory
+    from disagg.worker.kv_events.subscriber import EventsDirectory
 
     announced = parse_kv_events('{"decode": ["http://a:1"], "kv_events": {"http://a:1": {"endpoint": '
                                 '"tcp://a:7", "topic": "t"}, "http://b:1": {"endpoint": 5}}}')

@@ -12,10 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.worker.router import outliers
+from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.outliers import Health, OutlierPolicy
-from disagg.worker.router.proxy import RouterState, build_app
+from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline, HopTimeout, HopTimeouts, within
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",

@@ -9,7 +9,7 @@ import httpx
 from disagg.worker.router.endpoints import EndpointPool, load_from_metrics
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.probes import probe_once
-from disagg.worker.router.proxy import RouterState
+from disagg.worker.router.state import RouterState
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -10,10 +10,12 @@ import json
 import httpx
 import pytest
 
-from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.kv_transfer.handoff import Handoff
-from disagg.worker.router.proxy import RouterState, build_app, early_first_chunk
+from disagg.worker.router.app import build_app
+from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.hop_bodies import early_first_chunk
+from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.state import RouterState
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
       "remote_port": 1, "remote_request_id": "r", "output_token_ids": [42]}

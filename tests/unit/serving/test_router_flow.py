@@ -7,9 +7,10 @@ import json
 import httpx
 import pytest
 
-from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.proxy import RouterState, build_app
+from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.state import RouterState
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
       "remote_port": 1, "remote_request_id": "r"}
@@ -189,3 +190,23 @@ async def test_kv_never_crosses_revisions_when_the_prefills_decode_revision_is_g
     assert workers.seen[1][1]["kv_transfer_params"] == KV  # the old decode would have pulled it
     assert "kv_transfer_params" not in workers.seen[2][1]
     assert b"disagg:router_decode_alone_total" in state.metrics.render()
+
+
+@pytest.mark.asyncio
+async def test_the_hops_run_without_the_router_app_and_honour_a_named_prefill():
+    """A decode-side hop (a gateway's picker named the prefill): the hop protocol called directly, the plan's
+    costs putting the named prefill endpoint first; no FastAPI app in between."""
+    from disagg.worker.router.hops import prefill_hop, serve
+    from disagg.worker.router.policy import RoutePlan
+    from disagg.worker.router.timeouts import Deadline, HopTimeouts
+
+    _, workers, state = router({P1: "ok", P2: "ok"}, {D1: "ok"})
+    state.prefill.endpoints[P2].outstanding = 5  # by load alone P1 would go first
+    named = RoutePlan(prefill_costs={P2: 0.0})
+    reply = await serve(state, named, "/v1/completions", {"prompt": "x"}, {"X-Request-Id": "r1"},
+                        Deadline(HopTimeouts()))
+    assert reply.status == 200 and json.loads(reply.content)["choices"][0]["text"] == "decoded"
+    assert [u for u, _, _ in workers.seen] == [P2, D1] and workers.seen[-1][1]["kv_transfer_params"] == KV
+    outcome = await prefill_hop(state, named, "/v1/completions", {"prompt": "x"}, {"X-Request-Id": "r2"},
+                                Deadline(HopTimeouts()))
+    assert outcome.handoff.to_wire() == KV and workers.seen[-1][0] == P2

@@ -10,9 +10,10 @@ import time
 import httpx
 
 from disagg.worker.router import outliers
+from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
-from disagg.worker.router.proxy import RouterState, build_app
+from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import HopTimeouts
 
 P, D = "http://p:1", "http://d:1"

@@ -12,7 +12,7 @@ from disagg.worker.server.metrics import WorkerMetrics
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.router.discovery import pod_urls
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.proxy import check_max_tokens, prefill_body
+from disagg.worker.router.hop_bodies import check_max_tokens, prefill_body
 from disagg.worker.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params
 
 GOOD_REMOTE = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [0, 3], "remote_host": "h",

@@ -11,7 +11,7 @@ undone at the next decision, and reported.
 Scale-down loses no work: before a pool shrinks, the pods chosen to go get a low
 controller.kubernetes.io/pod-deletion-cost, so the ReplicaSet removes those; the removed pod's SIGTERM drain
 (worker) finishes its requests and keeps unread KV until pulled or the lease ends, inside the grace period
-(spec.semantic_problems checks grace >= preStop + request drain + lease).
+(checks.semantic_problems checks grace >= preStop + request drain + lease).
 
 Where metrics come from (spec.autoscaling.metricsSource):
 - scrape: GET http://<status.podIP>:<port>/metrics of each ready pod; port 8000 (the worker's) unless the pod
@@ -38,11 +38,12 @@ from disagg.operator.autoscaling.report import ScalingChange, iso, status_metric
 from disagg.operator.autoscaling.samples import PodSample
 from disagg.operator.autoscaling.scaling_pass import PassOutcome, PassState, run_pass
 from disagg.operator.kube import ApiError, TransientApiError
+from disagg.operator.naming import (
+    ANNOTATION_DELETION_COST, ANNOTATION_METRICS_PORT, HTTP_PORT, child_name, label_selector,
+)
 
 log = logging.getLogger(__name__)
 
-ANNOTATION_METRICS_PORT = f"{s.GROUP}/metrics-port"
-ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_DELETION_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
 REVERTED_SOURCE = "the autoscaler's decision"  # where a reverted hand edit's replicas come from
 
@@ -71,7 +72,7 @@ def scrape_targets(pods: list[dict[str, Any]], role: str) -> list[PodTarget]:
     """Ready pods only: a starting or terminating pod's numbers say nothing about the pool's load."""
     out = []
     for pod in sorted((p for p in pods if pod_ready(p)), key=lambda p: p["metadata"]["name"]):
-        port = int((pod["metadata"].get("annotations") or {}).get(ANNOTATION_METRICS_PORT, m.HTTP_PORT))
+        port = int((pod["metadata"].get("annotations") or {}).get(ANNOTATION_METRICS_PORT, HTTP_PORT))
         out.append(PodTarget(pod["metadata"]["name"], role, f"http://{pod['status']['podIP']}:{port}/metrics"))
     return out
 
@@ -217,12 +218,12 @@ def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: dat
         return None
     meta = body["metadata"]
     owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    deployments = {role: cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, role))
+    deployments = {role: cluster.get("apps/v1", "Deployment", owner.namespace, child_name(owner.name, role))
                    for role in ROLES}
     if any(d is None for d in deployments.values()):
         return None
     current = {role: r.applied_replicas(dep) for role, dep in deployments.items()}  # type: ignore[arg-type]
-    pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, m.label_selector(owner, role))
+    pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, label_selector(owner.name, role))
             for role in ROLES}
     dry_run = spec.autoscaling.dry_run
     outcome = run_pass(lambda: _read_samples(spec, pods, clock), {role: removable_pods(pods[role]) for role in ROLES},

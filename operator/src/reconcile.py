@@ -15,11 +15,13 @@ from typing import Any, Protocol
 
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
+from disagg.operator.checks import Problem, check_spec, name_problems
+from disagg.operator.naming import ANNOTATION_LAST_APPLIED, LABEL_COMPONENT, LABEL_REVISION, Component, child_name
+from disagg.operator.plan import autoscaler_owns_replicas, initial_replicas
 
 log = logging.getLogger(__name__)
 
-ANNOTATION_LAST_APPLIED = f"{s.GROUP}/last-applied"  # JSON of what the operator last wrote to the child
-ROLES: tuple[m.Component, ...] = ("prefill", "decode", "router")
+ROLES: tuple[Component, ...] = ("prefill", "decode", "router")
 # status keys this pass owns; status.autoscaling and the scaling conditions belong to the autoscaler (this pass
 # only removes them when autoscaling is switched off)
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *ROLES, "conditions")
@@ -38,7 +40,7 @@ class PassResult:
     status: dict[str, Any]  # the status the resource now has
     status_written: bool
     children_written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
-    problems: list[s.Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
+    problems: list[Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
     replicas_reverted: list[ReplicasReverted] = field(default_factory=list)  # hand edits undone
 
 
@@ -151,7 +153,7 @@ def rolled_out(deployment: dict[str, Any] | None, desired: dict[str, Any]) -> bo
     template_labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
     wanted_labels = desired["spec"]["template"]["metadata"]["labels"]
     return (st.get("observedGeneration", -1) >= deployment["metadata"].get("generation", 0)
-            and template_labels.get(m.LABEL_REVISION) == wanted_labels.get(m.LABEL_REVISION)
+            and template_labels.get(LABEL_REVISION) == wanted_labels.get(LABEL_REVISION)
             and st.get("updatedReplicas", 0) == want and st.get("replicas", 0) == want)
 
 
@@ -170,26 +172,8 @@ def with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], 
     return new
 
 
-def autoscaler_owns_replicas(spec: s.DisaggregatedInferenceSpec) -> bool:
-    """The autoscaler writes the worker Deployments' replicas (a dry run only reports)."""
-    return spec.autoscaling.enabled and not spec.autoscaling.dry_run
-
-
-def worker_replicas(spec: s.DisaggregatedInferenceSpec) -> dict[str, int]:
-    """role -> the replicas this pass gives a worker Deployment: spec.<role>.replicas; when the autoscaler owns
-    them, moved into min/max (and used only to create the Deployment)."""
-    out: dict[str, int] = {}
-    for role in WORKER_ROLES:
-        n = getattr(spec, role).replicas
-        if autoscaler_owns_replicas(spec):
-            bounds: s.ReplicaBounds = getattr(spec.autoscaling, role)
-            n = min(max(n, bounds.min_replicas), bounds.max_replicas)
-        out[role] = n
-    return out
-
-
 def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
-                 problems: list[s.Problem], extra: dict[str, Any]) -> dict[str, Any]:
+                 problems: list[Problem], extra: dict[str, Any]) -> dict[str, Any]:
     """Conditions without transition times; `desired` is None when the spec was rejected."""
     status: dict[str, Any] = {"observedGeneration": generation, **extra,
                               **{r: role_status(deployments.get(r)) for r in ROLES}}
@@ -218,9 +202,9 @@ def build_status(generation: int, deployments: dict[str, dict | None], desired: 
 
 
 # ---------------------------------------------------------------- the pass
-def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[s.Problem]]:
-    spec, problems = s.check_spec(body.get("spec") or {}, "kubernetes")
-    return spec, s.name_problems(body["metadata"]["name"]) + problems
+def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[Problem]]:
+    spec, problems = check_spec(body.get("spec") or {}, "kubernetes")
+    return spec, name_problems(body["metadata"]["name"]) + problems
 
 
 @dataclass
@@ -234,13 +218,13 @@ class _Applied:
 def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec) -> _Applied:
     owned_elsewhere = autoscaler_owns_replicas(spec)
     spec = spec.model_copy(deep=True)
-    for role, n in worker_replicas(spec).items():
-        getattr(spec, role).replicas = n
+    for role in WORKER_ROLES:  # with the autoscaler on, only the starting point: the Deployment's creation
+        getattr(spec, role).replicas = initial_replicas(spec, role)
     out = _Applied(desired={})
     for child in m.desired_children(owner, spec):
         meta = child["metadata"]
         observed = cluster.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        role = meta["labels"].get(m.LABEL_COMPONENT) if child["kind"] == "Deployment" else None
+        role = meta["labels"].get(LABEL_COMPONENT) if child["kind"] == "Deployment" else None
         keep = owned_elsewhere and role in WORKER_ROLES and observed is not None
         if keep:  # the autoscaler's number, as it last applied it
             child["spec"]["replicas"] = applied_replicas(observed)  # type: ignore[arg-type]
@@ -272,7 +256,7 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
     extra: dict[str, Any] = {}
     if problems or spec is None:
         for r in ROLES:  # report what runs, touch nothing
-            applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, m.child_name(owner, r))
+            applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, child_name(owner.name, r))
     else:
         applied = apply_children(cluster, owner, spec)
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}

@@ -1,7 +1,8 @@
 """Generate the CustomResourceDefinition from the pydantic models in spec.py.
 
-`disagg crd` (or `python -m disagg.operator.crd`) writes crds/<plural>.<group>.yaml and, with the default output
-directory, the Helm chart's copy (charts/disagg-operator/crds/); `--check` fails on drift of either.
+`disagg crd --out crds --out charts/disagg-operator/crds` (or `python -m disagg.operator.crd ...`) writes
+<plural>.<group>.yaml into each directory named - the repository's crds/ and the Helm chart's copy; without --out
+those two, relative to the current directory (a checkout's root). `--check` fails on drift of any.
 Pydantic's JSON schema is rewritten into a Kubernetes structural schema: $refs inlined, Optional collapsed,
 int|str quantities as x-kubernetes-int-or-string, free-form objects as x-kubernetes-preserve-unknown-fields.
 """
@@ -16,12 +17,14 @@ from typing import Any
 import yaml
 
 from disagg.operator import spec as s
+from disagg.operator.naming import APP_NAME, LABEL_NAME, MAX_NAME_LENGTH
 
 log = logging.getLogger(__name__)
 
 CRD_NAME = f"{s.PLURAL}.{s.GROUP}"
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "crds"
-CHART_DIR = DEFAULT_DIR.parent / "charts" / "disagg-operator" / "crds"  # Helm installs CRDs from here
+# without --out, relative to the current directory: the repository's copy and the Helm chart's (it installs CRDs
+# from its crds/)
+DEFAULT_OUT = (Path("crds"), Path("charts") / "disagg-operator" / "crds")
 FILE_NAME = f"{CRD_NAME}.yaml"
 
 # keys a structural schema may carry (apiextensions.k8s.io/v1 JSONSchemaProps, minus what we never emit)
@@ -95,14 +98,14 @@ def build_crd() -> dict[str, Any]:
             "status": model_schema(s.DisaggregatedInferenceStatus),
         },
         "x-kubernetes-validations": [{
-            "rule": f"self.metadata.name.size() <= {s.MAX_NAME_LENGTH}",
-            "message": f"metadata.name must be at most {s.MAX_NAME_LENGTH} characters (children add suffixes)",
+            "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children add suffixes)",
         }],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "disagg"}},
+        "metadata": {"name": CRD_NAME, "labels": {LABEL_NAME: APP_NAME}},
         "spec": {
             "group": s.GROUP,
             "scope": "Namespaced",
@@ -126,8 +129,9 @@ def render_crd() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output-dir", type=Path, default=DEFAULT_DIR,
-                        help="directory for the CRD YAML (default crds/: the chart's crds/ is written too)")
+    parser.add_argument("-o", "--out", action="append", type=Path, metavar="DIR",
+                        help="a directory for the CRD YAML, repeated for each copy (default: "
+                             f"{' and '.join(map(str, DEFAULT_OUT))} in the current directory, a checkout's root)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file differs from the models")
     parser.add_argument("--stdout", action="store_true", help="write the YAML to stdout instead")
 
@@ -137,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
     if args.stdout:
         sys.stdout.write(text)
         return 0
-    paths = [args.output_dir / FILE_NAME]
-    if args.output_dir.resolve() == DEFAULT_DIR and CHART_DIR.is_dir():  # in a checkout: the chart's copy too
-        paths.append(CHART_DIR / FILE_NAME)
+    if not args.out and not DEFAULT_OUT[0].is_dir():
+        sys.stderr.write(f"no {DEFAULT_OUT[0]}/ in {Path.cwd()}: run from the checkout's root or give --out DIR\n")
+        return 2
+    paths = [d / FILE_NAME for d in args.out or DEFAULT_OUT]
     if args.check:
         stale = [p for p in paths if (p.read_text() if p.exists() else "") != text]
         for path in stale:

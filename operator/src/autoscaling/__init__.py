@@ -8,5 +8,6 @@
 
 A new scaling signal: its metric name in samples.py; its target in spec.py (ScalingTargets) and in inputs.py
 (AutoscalePolicy, policy_from_spec); its per-role number in inputs.py (RoleMetrics, aggregate_role); its ratio and
-reported value in classify.py; then `python -m disagg.operator.crd`.
+reported value in classify.py; then, from the checkout's root,
+`python -m disagg.operator.crd --out crds --out charts/disagg-operator/crds`.
 """

@@ -1,8 +1,5 @@
-"""The worker's KV-cache event publisher, on vLLM's wire protocol: a ZMQ PUB socket sends multipart
-(topic, 8-byte big-endian sequence number, msgpack EventBatch); a ROUTER socket answers replay requests
-(an 8-byte big-endian start sequence) with every buffered batch from there, each as (topic, seq, payload),
-then (b"", -1 as 8 signed bytes, b""). Sequence numbers start at 0 per process, so a subscriber sees an engine
-restart as the sequence going back and a loss as a gap.
+"""The worker's KV-cache event publisher: a ZMQ PUB socket sends each batch, a ROUTER socket answers replay
+requests from a buffer of the last batches (framing: wire.py). Sequence numbers start at 0 per process.
 
 One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
 """
@@ -16,11 +13,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from disagg.worker.engine.kv_events import EventBatch, encode_batch
+from disagg.worker.kv_events import wire
+from disagg.worker.kv_events.schema import EventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay answer
 _POLL_MS = 100
 
 
@@ -122,17 +119,17 @@ class ZmqEventPublisher:
         seq, payload = self._next_seq, encode_batch(batch)
         self._next_seq += 1
         self._buffer.append((seq, payload))
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._pub.send_multipart(wire.live_frames(self._topic, seq, payload))
         self.published += 1
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        request = wire.parse_replay_request(frames)
+        if request is None:
             logger.warning("ignoring a malformed KV events replay request (%d frames)", len(frames))
             return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
+        peer, start_seq = request
         for seq, payload in self._buffer:
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                self._replay.send_multipart(wire.replay_frames(peer, self._topic, seq, payload))
+        self._replay.send_multipart(wire.end_of_replay_frames(peer))

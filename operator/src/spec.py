@@ -4,35 +4,29 @@
 Kubernetes API conventions: camelCase names, integers (never floats), units in names (`leaseSeconds`),
 conditions + observedGeneration in status, no `phase`.
 
-Over 300 lines on purpose: the whole resource (spec, status and the cross-field checks the schema cannot
-express) reads top to bottom in one file, the way `kubectl explain` shows it; each model is a few lines.
+Over 300 lines on purpose: the whole resource (spec and status) reads top to bottom in one file, the way
+`kubectl explain` shows it; each model is a few lines. The models import none of the builders: the checks beyond
+the schema (cross-field, per target, every command parsed) are in checks.py.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
 
-from disagg.worker.kv_transfer.connectors import CONNECTORS, connector_problem, declaration_of
+from disagg.operator.naming import GROUP
+from disagg.worker.kv_transfer.connectors import CONNECTORS
 from disagg.worker.router import endpoints as router_endpoints
+from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 
-GROUP = "disagg.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "DisaggregatedInference"
 PLURAL = "disaggregatedinferences"
 SINGULAR = "disaggregatedinference"
 SHORT_NAMES = ["dinf"]
-
-# children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
-MAX_NAME_LENGTH = 55
-# a pod's grace period must leave at least this for running requests after the preStop wait and the KV lease
-MIN_REQUEST_DRAIN_SECONDS = 10
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # Kubernetes quantity: an integer or a string like "500m", "16Gi"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
@@ -246,8 +240,8 @@ class PrefixAwareRouting(_Model):
 
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
-    policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
-        "least-loaded", description="prefix-aware: by the workers' KV-cache events, the endpoint with the longest "
+    policy: Literal[POLICY_NAMES] = Field(  # the router's registry (router/policies.py)
+        DEFAULT_POLICY, description="prefix-aware: by the workers' KV-cache events, the endpoint with the longest "
         "cached prefix of the prompt, weighed against load (turns the workers' events on).")
     service: RouterService = Field(default_factory=RouterService)
     resources: Resources = Field(default_factory=Resources)
@@ -255,19 +249,6 @@ class RouterSpec(PodPlacement):
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     prefix_aware: PrefixAwareRouting = Field(default_factory=PrefixAwareRouting)
     extra_args: list[str] = Field(default_factory=list)
-
-    def bound_args(self, engine: str) -> list[str]:
-        """The `disagg router` flags for the timeouts, outlier detection and prefix-aware weights (pods and
-        `disagg up` alike)."""
-        t, o, x = self.timeouts, self.outlier_detection, self.prefix_aware
-        return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
-                "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds),
-                "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
-                "--eject-after-failures", str(o.consecutive_failures),
-                "--ejection-seconds", str(o.base_ejection_seconds),
-                "--max-ejection-seconds", str(o.max_ejection_seconds),
-                "--prefix-load-cost-tokens", str(x.load_cost_tokens),
-                "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks)]
 
 
 # ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)
@@ -453,139 +434,10 @@ class DisaggregatedInferenceStatus(_Model):
     autoscaling: AutoscalingStatus | None = None
 
 
-# ---------------------------------------------------------------- parsing and checks beyond the schema
-@dataclass(frozen=True)
-class Problem:
-    path: str  # e.g. "spec.autoscaling.prefill.minReplicas"
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-def pydantic_problems(err: ValidationError, prefix: str = "spec") -> list[Problem]:
-    problems = []
-    for e in err.errors():
-        path = ".".join([prefix, *(str(p) if not isinstance(p, int) else f"[{p}]" for p in e["loc"])])
-        problems.append(Problem(path.replace(".[", "["), e["msg"]))
-    return problems
-
-
+# ---------------------------------------------------------------- parsing and derived values
 def parse_spec(spec: dict[str, Any]) -> DisaggregatedInferenceSpec:
-    """Raises pydantic.ValidationError; see pydantic_problems()."""
+    """Raises pydantic.ValidationError; checks.check_spec() turns it into problems."""
     return DisaggregatedInferenceSpec.model_validate(spec)
-
-
-def check_spec(raw: Any,
-               target: Literal["kubernetes", "local"]) -> tuple[DisaggregatedInferenceSpec | None, list[Problem]]:
-    """Parse and check a spec: (the spec, []) when it can be served on `target`; else the problems, schema
-    (pydantic) ones first; the checks beyond the schema only run on a spec that parsed (the spec is None
-    when it did not)."""
-    try:
-        spec = parse_spec(raw)
-    except ValidationError as e:
-        return None, pydantic_problems(e)
-    return spec, semantic_problems(spec, target)
-
-
-def semantic_problems(spec: DisaggregatedInferenceSpec, target: Literal["kubernetes", "local"]) -> list[Problem]:
-    """What the schema accepts but cannot be served. `target` adds what only Kubernetes needs."""
-    problems: list[Problem] = []
-    if (why := connector_problem(spec.kv_transfer.connector)) is not None:
-        problems.append(Problem("spec.kvTransfer.connector", why))
-    problems += _model_problems(spec) + _parallel_problems(spec) + _engine_problems(spec)
-    a = spec.autoscaling
-    for role in ("prefill", "decode"):
-        bounds: ReplicaBounds = getattr(a, role)
-        if bounds.min_replicas > bounds.max_replicas:
-            problems.append(Problem(f"spec.autoscaling.{role}.minReplicas",
-                                    f"minReplicas {bounds.min_replicas} > maxReplicas {bounds.max_replicas}"))
-    lo, hi = a.prefill_decode_ratio.min, a.prefill_decode_ratio.max
-    if lo and hi and lo.prefill * hi.decode > hi.prefill * lo.decode:  # lo.p/lo.d > hi.p/hi.d without floats
-        problems.append(Problem("spec.autoscaling.prefillDecodeRatio",
-                                f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
-    problems += _router_problems(spec.router)
-    if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
-        problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))
-    rdma = spec.kv_transfer.rdma
-    for role in ("prefill", "decode"):
-        r: RoleSpec = getattr(spec, role)
-        if rdma.enabled and rdma.resource_name and \
-                rdma.resource_name in {*r.resources.requests, *r.resources.limits}:
-            problems.append(Problem(f"spec.{role}.resources",
-                                    f"{rdma.resource_name} is requested by kvTransfer.rdma.resourceName already "
-                                    "(1 per pod): remove it here"))
-        if r.drain_delay_seconds >= r.termination_grace_period_seconds:
-            problems.append(Problem(f"spec.{role}.drainDelaySeconds",
-                                    f"{r.drain_delay_seconds} must be below terminationGracePeriodSeconds "
-                                    f"{r.termination_grace_period_seconds}"))
-    from disagg.operator.worker_command import command_problems  # it builds commands from these models
-
-    problems += command_problems(spec)
-    if target == "kubernetes":
-        problems += _grace_problems(spec)
-        if not spec.image:
-            problems.append(Problem("spec.image", "required on Kubernetes (the worker image)"))
-        declaration = declaration_of(spec.kv_transfer.connector)
-        if declaration is not None and declaration.needs_shared_storage and spec.kv_transfer.shared_storage is None:
-            problems.append(Problem("spec.kvTransfer.sharedStorage",
-                                    f"required on Kubernetes for {declaration.name}: a ReadWriteMany PVC "
-                                    "(claimName) that every prefill and decode pod mounts"))
-        if spec.model.source.kind == "generated":
-            problems.append(Problem("spec.model.source",
-                                    "required on Kubernetes: set one of huggingFace, pvc, path, uri "
-                                    "(a generated checkpoint is only for `disagg up`)"))
-    return problems
-
-
-def _router_problems(r: RouterSpec) -> list[Problem]:
-    out = []
-    t, o = r.timeouts, r.outlier_detection
-    for name, value in (("firstByteSeconds", t.first_byte_seconds), ("idleSeconds", t.idle_seconds)):
-        if value > t.request_seconds:
-            out.append(Problem(f"spec.router.timeouts.{name}", f"{value} is above requestSeconds "
-                               f"{t.request_seconds} (the request's total bounds every hop)"))
-    if o.max_ejection_seconds < o.base_ejection_seconds:
-        out.append(Problem("spec.router.outlierDetection.maxEjectionSeconds",
-                           f"{o.max_ejection_seconds} is below baseEjectionSeconds {o.base_ejection_seconds}"))
-    return out
-
-
-def _model_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
-    uri = spec.model.source.uri
-    if uri is None:
-        return []
-    scheme = uri.url.partition("://")[0].lower() if "://" in uri.url else ""
-    if scheme not in URI_SCHEMES:
-        return [Problem("spec.model.source.uri.url", f"scheme {scheme + '://' if scheme else '(none)'} in "
-                        f"{uri.url!r} is not supported: use {', '.join(s + '://' for s in URI_SCHEMES)}")]
-    if scheme == "s3" and not uri.url[len("s3://"):].split("/")[0]:
-        return [Problem("spec.model.source.uri.url", f"{uri.url!r}: expected s3://bucket[/prefix]")]
-    return []
-
-
-def _parallel_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
-    """The built-in engine runs one device per worker: no tensor parallelism (yet). vLLM shards over
-    tensorParallelSize GPUs of one pod: resources.gpus, when set, must give it that many."""
-    if spec.engine == "vllm":
-        return [Problem(f"spec.{role}.resources.gpus",
-                        f"{r.resources.gpus} GPUs cannot hold tensorParallelSize {r.tensor_parallel_size}: "
-                        f"set gpus >= {r.tensor_parallel_size} or leave it 0 (then the pod requests "
-                        "tensorParallelSize GPUs)")
-                for role in ("prefill", "decode")
-                if 0 < (r := getattr(spec, role)).resources.gpus < r.tensor_parallel_size]
-    return [Problem(f"spec.{role}.tensorParallelSize",
-                    f"{getattr(spec, role).tensor_parallel_size} is not supported by the built-in engine, which "
-                    "runs one device per worker: use 1")
-            for role in ("prefill", "decode") if getattr(spec, role).tensor_parallel_size != 1]
-
-
-def _engine_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
-    if spec.engine == "vllm" and spec.kv_transfer.connector not in VLLM_CONNECTORS:
-        return [Problem("spec.kvTransfer.connector",
-                        f"{spec.kv_transfer.connector} does not run with engine vllm: use "
-                        f"{', '.join(VLLM_CONNECTORS)} (vLLM's own, which speaks the router's KV protocol)")]
-    return []
 
 
 def worker_gpus(spec: DisaggregatedInferenceSpec, role: str) -> int:
@@ -601,24 +453,3 @@ def request_drain_seconds(spec: DisaggregatedInferenceSpec, role: str) -> int:
     during which a prefill pod waits for its unread KV to be pulled (the worker's SIGTERM drain)."""
     r: RoleSpec = getattr(spec, role)
     return r.termination_grace_period_seconds - r.drain_delay_seconds - spec.kv_transfer.lease_seconds
-
-
-def _grace_problems(spec: DisaggregatedInferenceSpec) -> list[Problem]:
-    problems = []
-    for role in ("prefill", "decode"):
-        r: RoleSpec = getattr(spec, role)
-        if r.drain_delay_seconds < r.termination_grace_period_seconds \
-                and request_drain_seconds(spec, role) < MIN_REQUEST_DRAIN_SECONDS:
-            problems.append(Problem(
-                f"spec.{role}.terminationGracePeriodSeconds",
-                f"{r.termination_grace_period_seconds} must be at least drainDelaySeconds "
-                f"{r.drain_delay_seconds} + kvTransfer.leaseSeconds {spec.kv_transfer.lease_seconds} + "
-                f"{MIN_REQUEST_DRAIN_SECONDS} for running requests, so a removed pod finishes its work"))
-    return problems
-
-
-def name_problems(name: str) -> list[Problem]:
-    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
-        return [Problem("metadata.name", f"{name!r}: expected a DNS-1035 label of at most {MAX_NAME_LENGTH} "
-                                         "characters (lowercase letters, digits, '-', starting with a letter)")]
-    return []

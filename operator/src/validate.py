@@ -6,33 +6,32 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from disagg.operator import spec as s
+from disagg.operator.checks import Problem, Target, check_spec, name_problems
 
-Target = Literal["kubernetes", "local"]
 
-
-def validate_document(doc: Any, target: Target = "kubernetes") -> list[s.Problem]:
+def validate_document(doc: Any, target: Target = "kubernetes") -> list[Problem]:
     """Schema (pydantic) problems first; the checks beyond the schema only run on a spec that parsed."""
     if not isinstance(doc, dict):
-        return [s.Problem("(document)", f"expected a mapping, got {type(doc).__name__}")]
-    problems: list[s.Problem] = []
+        return [Problem("(document)", f"expected a mapping, got {type(doc).__name__}")]
+    problems: list[Problem] = []
     if doc.get("apiVersion") != s.API_VERSION:
-        problems.append(s.Problem("apiVersion", f"expected {s.API_VERSION!r}, got {doc.get('apiVersion')!r}"))
+        problems.append(Problem("apiVersion", f"expected {s.API_VERSION!r}, got {doc.get('apiVersion')!r}"))
     if doc.get("kind") != s.KIND:
-        problems.append(s.Problem("kind", f"expected {s.KIND!r}, got {doc.get('kind')!r}"))
+        problems.append(Problem("kind", f"expected {s.KIND!r}, got {doc.get('kind')!r}"))
     name = (doc.get("metadata") or {}).get("name")
     if not isinstance(name, str):
-        problems.append(s.Problem("metadata.name", "required"))
+        problems.append(Problem("metadata.name", "required"))
     else:
-        problems += s.name_problems(name)
+        problems += name_problems(name)
     raw_spec = doc.get("spec")
     if not isinstance(raw_spec, dict):
-        return problems + [s.Problem("spec", "required: a mapping")]
-    return problems + s.check_spec(raw_spec, target)[1]
+        return problems + [Problem("spec", "required: a mapping")]
+    return problems + check_spec(raw_spec, target)[1]
 
 
 def load_documents(text: str) -> list[Any]:

@@ -3,17 +3,22 @@ remove -> report. Only applying the outcome differs: cluster.py patches the Depl
 pods to remove; disagg.worker.local.scaling starts and retires worker processes.
 
 The scrape is injected (pods' /metrics or Prometheus in a cluster, processes' /metrics locally), and so is the
-clock; what one pass hands the next (`PassState`) lives in the caller's memory, never in status.
+clock; what one pass hands the next (`PassState`) lives in the caller's memory, never in status. `disagg up`
+imports the pass and what it needs around it (the policy from the spec, scraping /metrics, the report) from here.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from disagg.operator.autoscaling.inputs import ROLES, AutoscalePolicy
+from disagg.operator.autoscaling.inputs import ROLES, AutoscalePolicy, policy_from_spec
 from disagg.operator.autoscaling.policy import Decision, ScalingHistory, decide
-from disagg.operator.autoscaling.report import ScalingChange, role_metrics
+from disagg.operator.autoscaling.report import ScalingChange, decision_json, role_metrics, scaling_line
 from disagg.operator.autoscaling.samples import PodSample, pod_load
+from disagg.operator.autoscaling.sources import scrape_pods
+
+__all__ = ["ROLES", "Decision", "PassOutcome", "PassState", "PodSample", "ScalingChange", "choose_removals",
+           "decision_json", "policy_from_spec", "run_pass", "scaling_line", "scrape_pods"]
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,20 @@
-"""Subscriptions to the workers' KV-cache events (ZMQ SUB, vLLM's wire format), feeding the router's KVIndex.
+"""Subscriptions to the workers' KV-cache events (ZMQ SUB, vLLM's wire format, framed as wire.py says), feeding
+an index of what each worker caches (the router's KVIndex: any EventSink).
 
 Every ready endpoint of either pool that publishes events gets one subscriber task: where it publishes comes from
 its GET /kv_events (our workers), else from what the router was told (EventsDirectory: the endpoints file of
 `disagg up`, or the fixed ports of the operator's pods at the endpoint URL's host - vLLM serves no /kv_events).
-An endpoint that turns
-unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker starts over empty). On a
-gap in the sequence the subscriber asks the worker's replay socket for what it missed before applying more.
+An endpoint that turns unready or leaves the pool is unsubscribed and dropped from the index (a restarted worker
+starts over empty). On a gap in the sequence the subscriber asks the worker's replay socket for what it missed
+before applying more.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 from urllib.parse import urlparse
 
 import httpx
@@ -20,15 +22,33 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.worker.engine.kv_events import decode_batch
-from disagg.worker.router.kv_index import Applied, KVIndex
-from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.kv_events import wire
+from disagg.worker.kv_events.schema import KVCacheEvent, decode_batch
+from disagg.worker.kv_events.wire import Applied
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = -1  # the replay socket's end marker (signed 8 bytes)
 REPLAY_TIMEOUT_MS = 2000
 NO_EVENTS_RETRY_S = 30.0  # an endpoint without /kv_events (events off, or vLLM) is asked again after this
+
+
+class EventSink(Protocol):
+    """Where the batches go, per worker URL: it keeps each worker's last sequence number (wire.sequence_outcome)."""
+
+    def apply(self, url: str, seq: int, events: Iterable[KVCacheEvent], replayed: bool = False
+              ) -> tuple[Applied, int]: ...
+
+    def last_seq(self, url: str) -> int | None: ...
+
+    def drop(self, url: str) -> None: ...
+
+
+class EventCounts(Protocol):
+    """The subscriber's counters (the router's metrics)."""
+
+    def kv_events_received(self, n: int) -> None: ...
+
+    def kv_events_lost(self, n: int) -> None: ...
 
 
 def subscriber_address(worker_url: str, bound: str) -> str:
@@ -63,7 +83,7 @@ class EventsDirectory:
 class EndpointSubscriber:
     """One worker's event stream into the index."""
 
-    def __init__(self, url: str, info: dict[str, Any], index: KVIndex, metrics: RouterMetrics,
+    def __init__(self, url: str, info: dict[str, Any], index: EventSink, metrics: EventCounts,
                  ctx: zmq.asyncio.Context):
         self.url, self.index, self.metrics, self.ctx = url, index, metrics, ctx
         self.topic = str(info.get("topic") or "").encode()
@@ -82,10 +102,10 @@ class EndpointSubscriber:
                 await self._replay(0)
             while True:
                 frames = await sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                if (message := wire.parse_live(frames)) is None:
                     logger.warning("KV events from %s: malformed message (%d frames)", self.url, len(frames))
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq, payload = message
                 if self._replayed_upto is not None:
                     if seq <= self._replayed_upto:
                         continue  # seen in the replay
@@ -95,7 +115,7 @@ class EndpointSubscriber:
                     await self._replay(last + 1)
                     if self._replayed_upto is not None and seq <= self._replayed_upto:
                         continue
-                self._apply(seq, frames[2], replayed=False)
+                self._apply(seq, payload, replayed=False)
         finally:
             sub.close(linger=0)
 
@@ -123,19 +143,18 @@ class EndpointSubscriber:
         sock = self.ctx.socket(zmq.DEALER)
         sock.connect(self.replay_endpoint)
         try:
-            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            await sock.send_multipart(wire.replay_request(start))
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_MS):
                     logger.warning("KV events replay from %s timed out", self.url)
                     return
-                frames = await sock.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
+                if (answer := wire.parse_replay_answer(await sock.recv_multipart())) is None:
                     logger.warning("KV events replay from %s: malformed answer", self.url)
                     return
-                seq = int.from_bytes(frames[2], "big", signed=True)
-                if seq == END_SEQ:
+                seq, payload = answer
+                if seq == wire.END_OF_REPLAY:
                     return
-                self._apply(seq, frames[3], replayed=True)
+                self._apply(seq, payload, replayed=True)
                 self._replayed_upto = seq
         finally:
             sock.close(linger=0)
@@ -144,7 +163,7 @@ class EndpointSubscriber:
 class KVEventSubscriptions:
     """Keeps one EndpointSubscriber per ready endpoint that publishes events."""
 
-    def __init__(self, index: KVIndex, metrics: RouterMetrics, clock: Any = None,
+    def __init__(self, index: EventSink, metrics: EventCounts, clock: Any = None,
                  directory: EventsDirectory | None = None):
         self.index, self.metrics = index, metrics
         self.directory = directory or EventsDirectory()

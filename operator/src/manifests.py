@@ -6,39 +6,21 @@ Children of a resource named N in namespace NS:
   ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers).
 
 Somewhat over 300 lines: every child of one resource is built here so their shared labels, volumes and security
-context stay consistent; the workers' command lines are built in worker_command.py.
+context stay consistent; the commands in them come from plan.py (the API `disagg up` plans its processes with).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Any
 
 from disagg.operator import spec as s
-from disagg.operator.worker_command import (
-    KV_EVENTS_TOPIC, Placement, WorkerCommand, build_fetch_command, build_worker_command, model_cache_dir,
+from disagg.operator.naming import (
+    ANNOTATION_CONFIG_HASH, HTTP_PORT, KV_EVENTS_PORTS, LABEL_REVISION, SIDE_CHANNEL_PORT, Component, child_name,
+    common_labels, selector_labels, stable_hash,
 )
+from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR
+from disagg.operator.plan import Role, pod_fetch_command, pod_router_command, pod_worker_command
 
-Role = Literal["prefill", "decode"]
-Component = Literal["prefill", "decode", "router"]
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_REVISION = f"{s.GROUP}/revision"  # serving revision; the router pairs prefill and decode pods by it
-ANNOTATION_CONFIG_HASH = f"{s.GROUP}/config-hash"  # on pod templates: a change rolls the pods
-APP_NAME = "disagg"
-MANAGED_BY = "disagg-operator"
-
-HTTP_PORT = 8000
-SIDE_CHANNEL_PORT = 5600
-KV_EVENTS_PORTS = (5557, 5558)  # KV-cache events PUB and replay (router.policy prefix-aware)
-MODELS_DIR = "/models"  # PVC mount
-CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
-SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
 TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
 IPC_LOCK = "IPC_LOCK"  # RDMA only: lets UCX register (pin) memory beyond RLIMIT_MEMLOCK
 
@@ -55,11 +37,6 @@ class Owner:
                 "controller": True, "blockOwnerDeletion": True}
 
 
-def stable_hash(obj: Any, length: int = 16) -> str:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
 def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
     """What prefill and decode must share for KV blocks to be compatible: model, image, KV transfer (and the
     engine when it is not the default, so that revisions of existing disagg resources stay as they were)."""
@@ -67,44 +44,16 @@ def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
     return stable_hash(spec.model_dump(by_alias=True, include=fields), 10)
 
 
-def child_name(owner: Owner, component: Component) -> str:
-    return f"{owner.name}-{component}"
-
-
-def selector_labels(owner: Owner, component: Component) -> dict[str, str]:
-    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: owner.name, LABEL_COMPONENT: component}
-
-
-def label_selector(owner: Owner, component: Component) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(owner, component).items())
-
-
-def common_labels(owner: Owner, component: Component) -> dict[str, str]:
-    return {**selector_labels(owner, component), LABEL_MANAGED_BY: MANAGED_BY}
-
-
 def router_endpoint(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
 
 
 def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner, component),
+    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner.name, component),
             "ownerReferences": [owner.reference()]}
 
 
 # ---------------------------------------------------------------- worker pods
-def model_dir(spec: s.DisaggregatedInferenceSpec) -> str:
-    """The checkpoint directory as the worker container sees it."""
-    src = spec.model.source
-    if src.pvc is not None:
-        return str(PurePosixPath(MODELS_DIR) / src.pvc.path) if src.pvc.path else MODELS_DIR
-    if src.downloaded:
-        return model_cache_dir(spec, CACHE_DIR)
-    if src.path is None:
-        raise ValueError("spec.model.source: a generated checkpoint cannot run on Kubernetes")
-    return src.path
-
-
 # engine vllm: the root filesystem is read-only, so vLLM's caches (compile, torch inductor) go to the /tmp emptyDir
 VLLM_POD_ENV = {"VLLM_CACHE_ROOT": f"{TMP_DIR}/vllm", "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
                 "HOME": TMP_DIR}
@@ -116,12 +65,6 @@ def worker_image(spec: s.DisaggregatedInferenceSpec) -> str | None:
 
 def ready_path(spec: s.DisaggregatedInferenceSpec) -> str:
     return "/health" if spec.engine == "vllm" else "/ready"
-
-
-def worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
-    shared = SHARED_STORAGE_DIR if spec.kv_transfer.shared_storage is not None else None
-    return build_worker_command(spec, role, Placement("0.0.0.0", HTTP_PORT, "$(POD_IP)", SIDE_CHANNEL_PORT,
-                                                      model_dir(spec), shared, KV_EVENTS_PORTS))
 
 
 def _kv_events_ports(spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
@@ -192,7 +135,7 @@ def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list
 def _fetch_init_container(spec: s.DisaggregatedInferenceSpec, tmp_mount: dict[str, Any]) -> dict[str, Any]:
     """Downloads the checkpoint into the cache volume before the worker starts (skipped when it is there)."""
     src = spec.model.source
-    fetch = build_fetch_command(spec, model_dir(spec))
+    fetch = pod_fetch_command(spec)
     env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
            *({"name": k, "value": v} for k, v in fetch.env.items())]
     container: dict[str, Any] = {"name": "fetch-model", "image": spec.image, "command": fetch.argv[:1],
@@ -248,7 +191,7 @@ def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str,
 def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
     r: s.RoleSpec = getattr(spec, role)
     volumes, mounts = _model_volumes(spec)
-    command = worker_command(spec, role)
+    command = pod_worker_command(spec, role)
     tmp, tmp_mount = _tmp_volume()
     rdma = spec.kv_transfer.rdma
     devices = {"nvidia.com/gpu": s.worker_gpus(spec, role)}
@@ -291,36 +234,21 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    labels = {**common_labels(owner, role), LABEL_REVISION: serving_revision(spec)}
+    labels = {**common_labels(owner.name, role), LABEL_REVISION: serving_revision(spec)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner, role), role),
-        "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner, role)},
+        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner.name, role)},
                  "template": _pod_template(labels, pod_spec)},
     }
 
 
 # ---------------------------------------------------------------- router
-def router_args(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[str]:
-    return ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--policy", spec.router.policy,
-            "--discovery", "kubernetes", "--namespace", owner.namespace,
-            "--prefill-selector", label_selector(owner, "prefill"),
-            "--decode-selector", label_selector(owner, "decode"), *spec.router.bound_args(spec.engine),
-            *_router_kv_events_args(spec), *spec.router.extra_args]
-
-
-def _router_kv_events_args(spec: s.DisaggregatedInferenceSpec) -> list[str]:
-    """Where the pods publish KV-cache events, for workers that do not say so at GET /kv_events (vLLM)."""
-    if spec.router.policy != "prefix-aware":
-        return []
-    return ["--kv-events-port", str(KV_EVENTS_PORTS[0]), "--kv-events-replay-port", str(KV_EVENTS_PORTS[1]),
-            "--kv-events-topic", KV_EVENTS_TOPIC]
-
-
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     tmp, tmp_mount = _tmp_volume()
+    argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
     container: dict[str, Any] = {
-        "name": "router", "image": spec.image, "command": ["disagg"], "args": router_args(owner, spec),
+        "name": "router", "image": spec.image, "command": argv[:1], "args": argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _downward_env(),
         "resources": _resources(spec.router.resources),
@@ -331,16 +259,16 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner, "router"),
+    pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
                                 "volumes": [tmp], **_placement(spec.router)}
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner, "router"), "router"),
-        "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner, "router")},
-                 "template": _pod_template(common_labels(owner, "router"), pod_spec)},
+        "metadata": _metadata(owner, child_name(owner.name, "router"), "router"),
+        "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner.name, "router")},
+                 "template": _pod_template(common_labels(owner.name, "router"), pod_spec)},
     }
 
 
@@ -348,7 +276,7 @@ def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(owner, owner.name, "router"),
-        "spec": {"type": spec.router.service.type, "selector": selector_labels(owner, "router"),
+        "spec": {"type": spec.router.service.type, "selector": selector_labels(owner.name, "router"),
                  "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http",
                             "protocol": "TCP"}]},
     }
@@ -357,8 +285,8 @@ def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
 def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(owner, child_name(owner, role), role),
-        "spec": {"clusterIP": "None", "selector": selector_labels(owner, role),
+        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "spec": {"clusterIP": "None", "selector": selector_labels(owner.name, role),
                  "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                            {"name": "kv-side-channel", "port": SIDE_CHANNEL_PORT, "targetPort": "kv-side-channel",
                             "protocol": "TCP"}]},
@@ -366,7 +294,7 @@ def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
 
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    name = child_name(owner, "router")
+    name = child_name(owner.name, "router")
     rbac = "rbac.authorization.k8s.io/v1"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")},

@@ -1,10 +1,10 @@
 """The one place a worker's command line is built from (spec, role, placement).
 
-The operator's pod templates (manifests.py) and `disagg up` (worker/local/launcher.py) both call
-build_worker_command(); they differ only in the Placement they pass: on Kubernetes fixed ports and the pod IP
-through the downward API, locally free ports on one host. The model download (an init container on Kubernetes)
-is built here too. command_problems() parses every command a spec would produce with the worker's own parser,
-so `disagg validate` and the operator reject a spec whose pods could not start.
+The operator's pod templates and `disagg up` both get it through plan.py; they differ only in the Placement
+(placement.py): on Kubernetes fixed ports and the pod IP through the downward API, locally free ports on one host.
+The model download (an init container on Kubernetes) is built here too. checks.command_problems() parses every
+command a spec would produce with the worker's own parser, so `disagg validate` and the operator reject a spec
+whose pods could not start.
 
 Pure: no API calls, no processes. Standard library + the spec models only (the operator image has no torch).
 """
@@ -12,29 +12,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from disagg.operator import spec as s
+from disagg.operator.naming import KV_EVENTS_TOPIC
+from disagg.operator.placement import Placement
 from disagg.worker.kv_transfer.connectors import declaration_of
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 EXECUTABLE = "disagg"  # the image's entrypoint; `disagg up` runs the same CLI with its own interpreter
 VLLM_EXECUTABLE = "vllm"  # engine vllm: on the engine image's PATH; `disagg up` takes a configured path
-KV_EVENTS_TOPIC = "kv-events"  # engine vllm: the topic frame of its KV-cache events (the router subscribes to it)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one worker runs, as its command line needs it."""
-    host: str  # address the HTTP server binds
-    port: int  # HTTP port (API, /health, /ready, /metrics)
-    advertise_host: str  # address peers reach this worker at: "$(POD_IP)" on Kubernetes
-    side_channel_port: int  # NIXL side channel
-    model_dir: str  # the checkpoint directory as the worker sees it
-    shared_storage_path: str | None = None  # SharedStorageConnector's directory
-    kv_events_ports: tuple[int, int] | None = None  # KV-cache events (PUB, replay) for a prefix-aware router
 
 
 @dataclass(frozen=True)
@@ -122,15 +110,6 @@ def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Pla
     return WorkerCommand(argv, env)
 
 
-def model_cache_dir(spec: s.DisaggregatedInferenceSpec, cache_root: str) -> str:
-    """Where a downloaded source lands under the cache: one directory per source, so sources sharing a cache
-    PVC never collide and the same source is found again."""
-    from disagg.operator.manifests import stable_hash  # the hash children use for their templates
-
-    source = spec.model.source.model_dump(by_alias=True, exclude_none=True)
-    return str(PurePosixPath(cache_root) / "models" / stable_hash(source, 12))
-
-
 def build_fetch_command(spec: s.DisaggregatedInferenceSpec, dest: str) -> WorkerCommand:
     """`disagg fetch-model` for a huggingFace or uri source. Secrets (HF_TOKEN, S3 credentials) are not here:
     the Kubernetes adapter references them, `disagg up` takes them from its own environment."""
@@ -149,35 +128,7 @@ def build_fetch_command(spec: s.DisaggregatedInferenceSpec, dest: str) -> Worker
     return WorkerCommand([*argv, "--dest", dest], env)
 
 
-def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[s.Problem]:
-    """Parse each role's command as the worker would (with placeholder placement values)."""
-    from disagg.worker.server.args import parse_worker_args
-
-    placement = Placement("0.0.0.0", 8000, "10.0.0.1", 5600, "/models", "/kv-shared", (5557, 5558))
-    problems = []
-    for role in ROLES:
-        build = _vllm_command if spec.engine == "vllm" else _disagg_command
-        try:
-            owned = _owned_flags(build(spec, role, placement).argv)
-            argv = build_worker_command(spec, role, placement).argv
-        except ValueError as e:
-            problems.append(s.Problem(f"spec.{role}", str(e)))
-            continue
-        where = f"spec.{role}.extraArgs"
-        given = (("engineArgs", spec.engine_args), (f"{role}.extraArgs", getattr(spec, role).extra_args))
-        for field_name, args in given:
-            for flag in (a.split("=", 1)[0] for a in args):
-                if flag in owned:
-                    problems.append(s.Problem(f"spec.{field_name}", f"{flag} is set by the operator from the spec; "
-                                                                    "change the spec field instead"))
-        if spec.engine == "vllm":
-            continue  # vLLM's parser is not importable here (the operator image has no vLLM); its tier runs it
-        try:
-            parse_worker_args(argv[2:])
-        except ValueError as e:
-            problems.append(s.Problem(where, f"the worker rejects its command line: {e}"))
-    return list(dict.fromkeys(problems))  # engineArgs are in both roles' commands: one problem each
-
-
-def _owned_flags(argv: list[str]) -> set[str]:
-    return {a for a in argv if a.startswith("--")}
+def owned_flags(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> set[str]:
+    """The flags the builder sets from the spec: engineArgs and extraArgs may not repeat them."""
+    build = _vllm_command if spec.engine == "vllm" else _disagg_command
+    return {a for a in build(spec, role, placement).argv if a.startswith("--")}

@@ -1,0 +1,42 @@
+"""The one place the router's command line is built from (spec, placement).
+
+The router pod (manifests.py) and `disagg up`'s router process both get it through plan.py; they differ only in
+the RouterPlacement (placement.py): where it binds and where it finds its workers. A contract test parses every
+command built here with the router's own parser.
+
+Pure: no API calls, no processes.
+"""
+from __future__ import annotations
+
+from disagg.operator import spec as s
+from disagg.operator.naming import KV_EVENTS_TOPIC
+from disagg.operator.placement import RouterPlacement
+from disagg.operator.worker_command import EXECUTABLE
+
+
+def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPlacement) -> list[str]:
+    """`disagg router ...` (argv[0] is EXECUTABLE), spec.router.extraArgs last so a user's flag wins."""
+    r = spec.router
+    argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port), "--policy", r.policy]
+    if placement.probe_interval_s is not None:
+        argv += ["--probe-interval", str(placement.probe_interval_s)]
+    argv += [*placement.discovery, *bound_args(r, spec.engine)]
+    if r.policy == "prefix-aware" and placement.kv_events_ports is not None:
+        # where the workers publish KV-cache events, for those that do not say so at GET /kv_events (vLLM)
+        pub, replay = placement.kv_events_ports
+        argv += ["--kv-events-port", str(pub), "--kv-events-replay-port", str(replay),
+                 "--kv-events-topic", KV_EVENTS_TOPIC]
+    return [*argv, *r.extra_args]
+
+
+def bound_args(router: s.RouterSpec, engine: str) -> list[str]:
+    """The router's flags for spec.router's timeouts, outlier detection and prefix-aware weights."""
+    t, o, x = router.timeouts, router.outlier_detection, router.prefix_aware
+    return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
+            "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds),
+            "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
+            "--eject-after-failures", str(o.consecutive_failures),
+            "--ejection-seconds", str(o.base_ejection_seconds),
+            "--max-ejection-seconds", str(o.max_ejection_seconds),
+            "--prefix-load-cost-tokens", str(x.load_cost_tokens),
+            "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks)]

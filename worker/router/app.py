@@ -1,0 +1,117 @@
+"""The router's HTTP app: the OpenAI routes run the P/D hops (hops.py) after the body is read and checked, the
+rest (health, readiness, membership, metrics, models, tokenize) are answered here or by the first ready worker."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from disagg.worker.router.hop_bodies import check_max_tokens
+from disagg.worker.router.hops import serve
+from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
+from disagg.worker.router.replies import Reply, error_reply
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.timeouts import Deadline
+
+
+def build_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="disagg router", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
+        body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
+        return JSONResponse(body, status_code=200 if n_decode else 503)
+
+    @app.get("/endpoints")
+    async def endpoints() -> Response:
+        """The current membership (who scales workers waits here until a removed one is gone) and what the
+        policy weighs: load (requests in flight from here, or running + waiting by the worker's last /metrics)
+        and KV cache usage. Round-robin scrapes no /metrics: its load is this router's requests in flight and
+        its KV usage is null (unknown), not 0."""
+        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding, "load": e.load(),
+                             "kv_usage": e.kv_usage if pool.scrapes_metrics else None, "ejected": e in pool.ejected(),
+                             "ejections": e.health.ejections}
+                            for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for ep in state.decode.available() + state.prefill.available():
+            try:
+                r = await state.client.get(f"{ep.url}/v1/models", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return to_response(error_reply(503, "no worker endpoint is ready", "service_unavailable"))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return await _forward(state, "GET", "/version", None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _forward(state, "POST", "/tokenize", await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _forward(state, "POST", "/detokenize", await request.body())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return to_response(await route(state, request, "/v1/completions"))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return to_response(await route(state, request, "/v1/chat/completions"))
+
+    return app
+
+
+def to_response(reply: Reply) -> Response:
+    if reply.stream is not None:
+        return StreamingResponse(reply.stream, status_code=reply.status, media_type="text/event-stream",
+                                 headers=reply.headers)
+    return Response(reply.content, status_code=reply.status, media_type="application/json", headers=reply.headers)
+
+
+async def _forward(state: RouterState, method: str, path: str, content: bytes | None) -> Response:
+    """A stateless call (tokenize, version) answered by the first ready worker that answers."""
+    for ep in state.decode.available() + state.prefill.available():
+        try:
+            r = await state.client.request(method, f"{ep.url}{path}", content=content, timeout=10.0,
+                                           headers={"Content-Type": "application/json"})
+        except httpx.HTTPError:
+            continue
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+    return to_response(error_reply(503, "no worker endpoint is ready", "service_unavailable"))
+
+
+async def route(state: RouterState, request: Request, path: str) -> Reply:
+    """Read and check the client's body (a 400 naming what is wrong), then plan and run the hops."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        state.metrics.request("bad_request")
+        return error_reply(400, f"malformed JSON body: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        state.metrics.request("bad_request")
+        return error_reply(400, "request body must be a JSON object", "invalid_request_error")
+    problem = check_max_tokens(body)
+    if problem:
+        state.metrics.request("bad_request")
+        return error_reply(400, problem, "invalid_request_error", problem.split(" ", 1)[0])
+    headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+    deadline = Deadline(state.timeouts)
+    return await serve(state, await state.plan(body, path), path, body, headers, deadline)

@@ -1,0 +1,228 @@
+"""The P/D hop protocol: a prefill hop (the prompt, max_tokens=1, do_remote_decode) whose hand-off the decode hop
+carries, the decode answer streamed back, and the prefill's token streamed first when the decode worker can
+continue after it (hop_bodies.early_first_chunk).
+
+Retries only where no byte reached the client: a failed prefill hop moves to another prefill endpoint
+(none left: decode alone, computing the prompt itself); a decode hop that fails before its first byte
+moves to another decode endpoint. A decode stream broken midway ends with an SSE error event (relay.py).
+Every wait is bounded (timeouts.py): a hop that runs past its bound fails over as a failed one does; with no
+decode endpoint left the client gets a 504 (503 when none could be reached), never a half-written 200. Failed
+endpoints are ejected for a while (outliers.py).
+
+Framework-free: `serve` takes a parsed body and the policy's plan and returns a Reply, so the router's HTTP app
+(app.py), a decode-side hop (the pools hold the prefill endpoints it may use and itself; the plan's costs put the
+named prefill first) and `prefill_hop` alone (a decode worker that prefills remotely, then decodes itself) share it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
+from disagg.worker.router.hop_bodies import decode_bodies, early_first_chunk, needs_prompt_logits, prefill_body
+from disagg.worker.router.policy import RoutePlan
+from disagg.worker.router.probes import await_ready
+from disagg.worker.router.relay import DecodeStream, relay
+from disagg.worker.router.replies import Reply, as_sse_error, error_reply
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.timeouts import Deadline, HopTimeout, within
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillOutcome:
+    handoff: Handoff | None = None  # for the decode hop; None: no prefill endpoint gave KV (decode alone)
+    revision: str | None = None  # the prefill endpoint's serving revision
+    answer: Any = None  # its JSON answer (the early first token is made from it)
+
+
+async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any], headers: dict[str, str],
+                deadline: Deadline) -> Reply:
+    """One client request through the hops; `body` is a JSON object whose max_tokens were checked."""
+    outcome = PrefillOutcome()
+    first_chunk: bytes | None = None
+    if plan.skip_prefill and state.prefill.endpoints:
+        state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
+    elif state.prefill.endpoints and not needs_prompt_logits(body):
+        hop = await prefill_hop(state, plan, path, body, headers, deadline)
+        if isinstance(hop, Reply):  # the request itself is bad: the decode worker would say the same
+            state.metrics.request("bad_request")
+            return hop
+        outcome = hop
+        if not outcome.handoff:
+            state.metrics.fell_back_to_decode_alone()
+        elif state.early_first_token:
+            first_chunk = early_first_chunk(body, path, outcome.answer, outcome.handoff)
+    revisions = {outcome.revision} if outcome.handoff else None
+    if first_chunk is not None:
+        return _continue_after_first_chunk(state, plan, path, body, outcome.handoff, first_chunk, headers, deadline,
+                                           revisions)
+    d_body, alone = decode_bodies(body, outcome.handoff)
+    opened = await _open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
+                                revisions)
+    if isinstance(opened, Reply):
+        return opened
+    return Reply(200, stream=relay(state, opened, deadline), headers=headers)
+
+
+async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any],
+                      headers: dict[str, str], deadline: Deadline) -> PrefillOutcome | Reply:
+    """The hand-off from the first prefill endpoint that gives one (an empty outcome when none could: decode
+    alone), or a Reply to pass back when the prefill rejected the request (4xx)."""
+    tried: set[str] = set()
+    p_body = prefill_body(body)
+    while deadline.remaining() > 0 and (ep := state.pick_prefill(plan, tried)) is not None:
+        tried.add(ep.url)
+        ep.outstanding += 1
+        start = time.monotonic()
+        try:  # the answer is one token: its first byte comes with the rest
+            r = await within(state.client.post(ep.url + path, json=p_body, headers=headers,
+                                               timeout=deadline.httpx_timeout()), deadline, "first_byte",
+                             hung=ep.unresponsive)
+        except HopTimeout as e:
+            state.hop_timed_out(state.prefill, ep, "prefill", start, e)
+            continue
+        except httpx.HTTPError as e:
+            state.hop_failed(state.prefill, ep, "prefill", start, f"{type(e).__name__}: {e}")
+            continue
+        finally:
+            ep.outstanding -= 1
+        if r.status_code >= 500:
+            state.hop_failed(state.prefill, ep, "prefill", start, f"HTTP {r.status_code}: {r.text[:200]}")
+            continue
+        state.metrics.hop("prefill", time.monotonic() - start, error=False)
+        state.prefill.mark_ok(ep)
+        if r.status_code >= 400:
+            return Reply(r.status_code, r.content, headers=headers)
+        return _handoff_of(ep.url, ep.revision, r)
+    if state.prefill.endpoints:
+        logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
+                       headers["X-Request-Id"], len(state.prefill.endpoints))
+    return PrefillOutcome()
+
+
+def _handoff_of(url: str, revision: str | None, r: httpx.Response) -> PrefillOutcome:
+    try:
+        answer = r.json()
+        params = answer.get("kv_transfer_params")
+    except (json.JSONDecodeError, AttributeError):
+        logger.warning("prefill %s answered without JSON; decoding alone", url)
+        return PrefillOutcome()
+    try:
+        handoff = Handoff.parse(params) if params else None
+    except HandoffError as e:
+        logger.warning("prefill %s answered a malformed hand-off (%s); decoding alone", url, e)
+        return PrefillOutcome()
+    return PrefillOutcome(handoff, revision, answer)
+
+
+def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any],
+                                handoff: Handoff, first_chunk: bytes, headers: dict[str, str], deadline: Deadline,
+                                revisions: set[str | None] | None) -> Reply:
+    """The stream starts with the prefill's token (early_first_chunk); a decode worker continues after it
+    (delivered_token_ids). The 200 is sent with that chunk, so a decode hop that fails from here on ends the
+    stream with an SSE error event, as a stream broken midway does."""
+    # decoding alone (no decode of the prefill's revision is left) still continues after the delivered token
+    d_body, alone = decode_bodies(body, handoff, delivered=handoff.output_token_ids)
+    state.metrics.first_byte(time.monotonic() - deadline.started)
+    state.metrics.early_first_token()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield first_chunk
+        opened = await _open_decode(state, plan, path, d_body, alone, headers, deadline, True, revisions,
+                                    count_first_byte=False)
+        if isinstance(opened, Reply):  # no decode worker took it: what it would have said, as an event
+            yield as_sse_error(opened)
+            return
+        async for chunk in relay(state, opened, deadline):
+            yield chunk
+
+    return Reply(200, stream=chunks(), headers=headers)
+
+
+async def _open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
+                       alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
+                       revisions: set[str | None] | None, count_first_byte: bool = True) -> DecodeStream | Reply:
+    """A decode endpoint's stream that has its first byte, or the Reply to give the client (the whole answer
+    when not streamed, or why none came)."""
+    tried: set[str] = set()
+    timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
+    # a non-streamed answer has no first byte before it is complete: only the total bounds it
+    stage = "first_byte" if stream else "total"
+    waited = False
+    while deadline.remaining() > 0:
+        ep = state.pick_decode(plan, tried, revisions)
+        if ep is None:
+            # none ready: one that answers its probes (a pod just started, in a rollout's hand-over) may be
+            # ready within the connect bound - wait for it once rather than refuse at once
+            if waited or tried or not await await_ready(state, state.decode, deadline):
+                break
+            waited = True
+            continue
+        tried.add(ep.url)
+        if d_body is not alone and revisions is not None and ep.revision not in revisions:
+            # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
+            # not fit this engine, so it computes the prompt itself; prefill's blocks go at the lease
+            logger.info("request %s: decode %s is of revision %s, not the prefill's; decoding alone",
+                        headers["X-Request-Id"], ep.url, ep.revision)
+            state.metrics.fell_back_to_decode_alone()
+            d_body = alone
+        ep.outstanding += 1
+        start = time.monotonic()
+        resp = None
+        try:
+            request = state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
+                                                 timeout=deadline.httpx_timeout())
+            resp = await within(state.client.send(request, stream=True), deadline, stage, since=start,
+                                hung=ep.unresponsive)
+            if resp.status_code >= 500:
+                await within(resp.aread(), deadline, "idle")
+                raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
+                                            response=resp)
+            if resp.status_code >= 400 or not stream:
+                # a broken or abandoned body is retried: nothing was sent yet
+                content = await within(resp.aread(), deadline, stage, since=start, hung=ep.unresponsive)
+                await resp.aclose()
+                ep.outstanding -= 1
+                state.metrics.hop("decode", time.monotonic() - start, error=False)
+                state.decode.mark_ok(ep)
+                state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
+                return Reply(resp.status_code, content, headers=headers)
+            chunks = resp.aiter_raw()
+            # before the first byte, a failure can still be retried
+            first = await within(chunks.__anext__(), deadline, "first_byte", since=start, hung=ep.unresponsive)
+        except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
+            if resp is not None:
+                await resp.aclose()
+            ep.outstanding -= 1
+            if isinstance(e, HopTimeout):
+                state.hop_timed_out(state.decode, ep, "decode", start, e)
+                timed_out = f"{ep.url}: {e}"
+            else:
+                state.hop_failed(state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
+            continue
+        state.decode.mark_ok(ep)
+        if count_first_byte:
+            state.metrics.first_byte(time.monotonic() - deadline.started)
+        return DecodeStream(ep, resp, first, chunks, start)
+    return _no_decode_answer(state, tried, timed_out, deadline)
+
+
+def _no_decode_answer(state: RouterState, tried: set[str], timed_out: str | None, deadline: Deadline) -> Reply:
+    """Nothing was sent to the client yet: a 504 when a bound ran out, else a 503."""
+    known = len(state.decode.endpoints)
+    if timed_out is not None or deadline.remaining() <= 0:
+        state.metrics.request("timeout")
+        last = f"; last: {timed_out}" if timed_out else ""
+        return error_reply(504, f"no decode worker answered within the router's bounds (request total "
+                           f"{deadline.timeouts.total_s:g} s; {known} known, {len(tried)} tried{last})", "timeout")
+    state.metrics.request("unavailable")
+    return error_reply(503, f"no decode endpoint available ({known} known, {len(tried)} tried)",
+                       "service_unavailable")

@@ -1,0 +1,71 @@
+"""What the router's parts share (the HTTP app, the hops, the probes): the two pools, the policy's plan for a
+request, the picks that pair revisions, and what a failed hop does to its endpoint. A gateway's endpoint picker
+or a decode-side hop holds one too (pools from discovery, its own client and metrics)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from disagg.worker.router.endpoints import Endpoint, EndpointPool
+from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.policy import RoutePlan, RoutingPolicy
+from disagg.worker.router.timeouts import HopTimeout, HopTimeouts
+
+if TYPE_CHECKING:
+    from disagg.worker.router.prefix_router import PrefixRouter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    prefill: EndpointPool
+    decode: EndpointPool
+    metrics: RouterMetrics
+    client: httpx.AsyncClient | None = None
+    probe_interval_s: float = 1.0
+    timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
+    prefix: PrefixRouter | None = None  # a policy's prefix facts (prefix_router.py) when it reads them, else None
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self.decode.policy  # one policy for both pools
+
+    async def plan(self, body: dict[str, Any], path: str) -> RoutePlan:
+        """The policy's plan for one request: from the prompt's cached prefixes where the policy reads them and
+        the prompt can be told, else from the endpoints' load alone."""
+        if self.prefix is not None and (plan := await self.prefix.plan_request(
+                body, path, self.prefill, self.decode, self.client)) is not None:
+            return plan
+        return self.policy.plan(None, [e.candidate() for e in self.decode.available()],
+                                [e.candidate() for e in self.prefill.available()])
+
+    def pick_prefill(self, plan: RoutePlan, tried: set[str]) -> Endpoint | None:
+        """Prefill endpoints whose revision has a ready decode endpoint go first."""
+        return self.prefill.pick(tried, revisions=self.decode.ready_revisions(), costs=plan.prefill_costs)
+
+    def pick_decode(self, plan: RoutePlan, tried: set[str], revisions: set[str | None] | None) -> Endpoint | None:
+        """revisions: the prefill's serving revision, whose KV fits (any decode endpoint when none is left)."""
+        return self.decode.pick(tried, revisions=revisions, costs=plan.decode_costs)
+
+    def hop_failed(self, pool: EndpointPool, ep: Endpoint, hop: str, start: float, why: str,
+                   timed_out: bool = False) -> None:
+        logger.warning("%s hop to %s failed: %s", hop, ep.url, why)
+        self.metrics.hop(hop, time.monotonic() - start, error=True)
+        self.tell_ejection(hop, ep, pool.mark_failed(ep, timed_out))
+
+    def hop_timed_out(self, pool: EndpointPool, ep: Endpoint, hop: str, start: float, e: HopTimeout) -> None:
+        self.metrics.timed_out(hop, e.stage)
+        self.hop_failed(pool, ep, hop, start, f"timed out ({e.stage}): {e}", timed_out=True)
+
+    def tell_ejection(self, hop: str, ep: Endpoint, ejected_s: float | None) -> None:
+        """Tell an ejection mark_failed just made (None: none)."""
+        if ejected_s is not None:
+            logger.warning("%s endpoint %s ejected for %g s (ejection %d in a row)", hop, ep.url, ejected_s,
+                           ep.health.ejections)
+            self.metrics.ejected(hop)
