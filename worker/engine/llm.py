@@ -8,7 +8,7 @@ from disagg.worker.engine.config import EngineConfig
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.request_output import RequestOutput
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 
 
 class LLM:

@@ -24,10 +24,10 @@ from disagg.worker.kv_transfer.factory import create_connector
 from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.model import Tokenizer, load_model
 from disagg.worker.runner.model_runner import ModelRunner
-from disagg.worker.engine.outputs import EngineCoreOutput, SchedulerOutput
+from disagg.worker.outputs import EngineCoreOutput, SchedulerOutput
 from disagg.worker.engine.request_output import CompletionOutput, OutputProcessor, RequestOutput
 from disagg.worker.engine.parent_request import ParentRequests
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.outputs import EngineCoreOutput, TokenLogprobs
+from disagg.worker.outputs import EngineCoreOutput, TokenLogprobs
 from disagg.worker.model.tokenizer import IncrementalDetokenizer
 
 

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the scheduler side never imports torch
     import torch
 
-    from disagg.worker.engine.request import Request
-    from disagg.worker.engine.outputs import SchedulerOutput
+    from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
     from disagg.worker.kv_transfer.handoff import Handoff
 
 
@@ -136,14 +135,16 @@ class KVConnectorBase(ABC):
         It is already parsed (handoff.Handoff: well-formed, the connector's declared extra keys type-checked)."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens available externally beyond num_computed_tokens, whether they load asynchronously).
 
         None as the count means "not known yet, ask again next step". Raising KVTransferParamsError
         fails the request with that message."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks were allocated for the request; remember which ones receive external KV."""
 
     @abstractmethod
@@ -153,7 +154,7 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: Any) -> None:
         """The scheduler saw the step's KVConnectorOutput (e.g. to track finished sends)."""
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]
                          ) -> tuple[bool, "Handoff | dict[str, Any] | None"]:
         """(delay_free, kv_transfer_params for the decode side: a Handoff, or a vLLM-style dict the scheduler
         parses). delay_free=True keeps the blocks until finished_sending reports the request.

@@ -21,8 +21,7 @@ from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConne
 if TYPE_CHECKING:
     import torch
 
-    from disagg.worker.engine.request import Request
-    from disagg.worker.engine.outputs import SchedulerOutput
+    from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +74,8 @@ class SharedStorageConnector(KVConnectorBase):
         return self.root / f"{key}.safetensors"
 
     # ---------------- scheduler role
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.config.kv_role == "kv_producer" or request.num_output_tokens:
             return 0, False
         n = self._aligned_tokens(request.prompt_token_ids)
@@ -83,7 +83,8 @@ class SharedStorageConnector(KVConnectorBase):
             return 0, False
         return n - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens:
             n = self._aligned_tokens(request.prompt_token_ids)
             first = (n - num_external_tokens) // self.block_size
@@ -113,7 +114,7 @@ class SharedStorageConnector(KVConnectorBase):
                     meta.saves.append(_Transfer(req_id, key, list(blocks[: n // self.block_size]), 0))
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._unsaved.pop(request.request_id, None)
         return False, None
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from disagg.worker.kv_transfer.base import KVConnectorBase
 from disagg.worker.kv_transfer.lifecycle import kv_connector_step
-from disagg.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from disagg.worker.outputs import ModelRunnerOutput, SchedulerOutput
 from disagg.worker.runner.logprobs import prompt_logprobs_for_step
 from disagg.worker.runner.sampler import SamplingBatch, sample_batch
-from disagg.worker.engine.sampling_params import SamplingParams
-from disagg.worker.engine.structured_output import new_matcher
+from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.runner.grammar_mask import new_matcher
 
 logger = logging.getLogger(__name__)
 

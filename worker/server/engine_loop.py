@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from disagg.worker.server.metrics import EngineSnapshot, WorkerMetrics
 from disagg.worker.engine.request_output import RequestOutput
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handoff import Handoff
 
 logger = logging.getLogger(__name__)
