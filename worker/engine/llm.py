@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from disagg.worker.engine.config import EngineConfig
+from disagg.worker.config import EngineConfig
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.request_output import RequestOutput

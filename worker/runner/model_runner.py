@@ -55,12 +55,10 @@ class ModelRunner:
         self.kv_cache = kv_cache  # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.device = device
-        self.connector = connector  # worker-role connector or None
+        self.connector = connector  # worker-role connector (runner/worker.py registered the cache with it) or None
         self.requests: dict[str, CachedRequestState] = {}
         # draws for requests without their own seed: the same seed and workload sample the same text
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        if connector is not None:
-            connector.register_kv_caches({"kv_cache": kv_cache})
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -23,7 +23,7 @@ logger = logging.getLogger("disagg.worker.server")
 
 
 def engine_config(args: argparse.Namespace, model: str) -> Any:
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
 
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,

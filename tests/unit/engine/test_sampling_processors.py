@@ -81,7 +81,7 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks_and_top_k():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
     from disagg.worker.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64,
@@ -129,7 +129,7 @@ def test_grammar_matcher_replays_generated_tokens(engine):
 
 
 def test_prompt_logprobs_over_chunked_prefill_equal_one_shot(engine, tiny_model_dir):
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
     from disagg.worker.engine.llm_engine import LLMEngine
 
     chunked = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64,
