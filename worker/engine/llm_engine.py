@@ -14,7 +14,7 @@ from disagg.worker.engine.parent_request import ParentRequests
 from disagg.worker.engine.request import RequestStatus
 from disagg.worker.engine.request_output import CompletionOutput, RequestOutput
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
-from disagg.worker.engine.stats import EngineStats
+from disagg.worker.engine.stats import EngineSnapshot, EngineStats, engine_snapshot
 from disagg.worker.kv_events.collector import KVEventCollector
 from disagg.worker.kv_events.schema import EventBatch
 from disagg.worker.kv_transfer.base import KVConnectorRole
@@ -27,6 +27,8 @@ from disagg.worker.runner.worker import Worker
 from disagg.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+KV_WAIT_S = 0.001  # the longest idle wait for asynchronous KV between two steps
 
 
 class LLMEngine:
@@ -98,12 +100,13 @@ class LLMEngine:
     def has_pending_kv_work(self) -> bool:
         return self.scheduler.has_pending_kv_work()
 
-    def wait_for_kv_progress(self, timeout: float) -> None:
-        """Idle wait while only asynchronous KV work is pending (see KVConnectorBase.wait_for_kv_progress)."""
-        if self.worker_connector is not None:
-            self.worker_connector.wait_for_kv_progress(timeout)
-        else:
-            time.sleep(timeout)
+    def metrics_snapshot(self) -> EngineSnapshot:
+        return engine_snapshot(self.scheduler, self.kv_cache_manager.usage(), self.scheduler_connector, self.stats)
+
+    def take_kv_connector_stats(self) -> list[dict[str, Any]]:
+        """The connector's per-step stats since the last call, oldest first."""
+        stats, self.stats.kv_connector_stats = self.stats.kv_connector_stats, []
+        return stats
 
     def take_kv_events(self) -> EventBatch | None:
         """Prefix-cache changes since the last call (None: none, or events are off)."""
@@ -122,6 +125,20 @@ class LLMEngine:
         if kvo is not None and kvo.kv_connector_stats:
             self.stats.kv_connector_stats.append(kvo.kv_connector_stats)
         return self.output_processor.process_outputs(core_outputs, self._finish_stopped)
+
+    def step_or_wait(self, wait_s: float = KV_WAIT_S) -> list[RequestOutput]:
+        """step(), and when it gave nothing while no remote KV has landed (only asynchronous KV work is pending),
+        wait up to wait_s for KV progress instead of spinning: the idle wait of every loop that drives the engine
+        (the server's engine thread, LLM.generate). Not when KV has just landed: the next step admits that request.
+        The wait ends early when the connector sees a load finish; a plain sleep (1 ms asked, often several on a
+        busy machine) went straight into that request's time to first token."""
+        outputs = self.step()
+        if not outputs and not self.scheduler.has_landed_remote_kv():
+            if self.worker_connector is not None:
+                self.worker_connector.wait_for_kv_progress(wait_s)
+            else:
+                time.sleep(wait_s)
+        return outputs
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         req_ids = list(so.num_scheduled_tokens)

@@ -5,11 +5,12 @@ work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layers)
+
+from disagg.worker.engine.stats import EngineSnapshot
 
 LABELS = ("model_name", "role")
 
@@ -23,23 +24,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 XFER_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)
-
-
-@dataclass
-class EngineSnapshot:
-    """Engine gauges read in the engine thread after a step (plain values, no engine reference)."""
-
-    num_running: int
-    num_waiting: int  # includes requests waiting for remote KV, as in vLLM
-    num_waiting_prompt_tokens: int  # prompt tokens of the waiting requests (queued prefill work)
-    kv_cache_usage: float  # 0..1
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    pending_sends: int  # requests whose KV waits at this (prefill) worker to be pulled
-    pending_loads: int  # requests waiting at this (decode) worker for remote KV
-    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the local prefix cache
-    prefix_cache_hits_total: int = 0  # of those, tokens found there
 
 
 class WorkerMetrics:
