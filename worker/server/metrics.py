@@ -1,7 +1,7 @@
 """Prometheus metrics of a worker, on its own CollectorRegistry (no global state).
 
-Names, types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and routers
-work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
+Names (metric_names.py), types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and
+routers work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layers)
 
+from disagg.worker import metric_names as names
 from disagg.worker.engine.stats import EngineSnapshot
 
 LABELS = ("model_name", "role")
@@ -40,39 +41,39 @@ class WorkerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*labels)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.num_waiting_prompt_tokens = gauge("disagg:num_waiting_prompt_tokens", "Prompt tokens of the "
+        self.num_requests_running = gauge(names.NUM_REQUESTS_RUNNING, "Requests in model execution batches.")
+        self.num_requests_waiting = gauge(names.NUM_REQUESTS_WAITING, "Requests waiting to be processed.")
+        self.num_waiting_prompt_tokens = gauge(names.NUM_WAITING_PROMPT_TOKENS, "Prompt tokens of the "
                                                "requests waiting to be processed.")
-        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.kv_pending_sends = gauge("disagg:kv_pending_sends", "Requests whose KV waits here to be pulled.")
-        self.kv_pending_loads = gauge("disagg:kv_pending_loads", "Requests waiting here for remote KV.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = counter("vllm:request_success", "Finished requests.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+        self.kv_cache_usage_perc = gauge(names.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_pending_sends = gauge(names.KV_PENDING_SENDS, "Requests whose KV waits here to be pulled.")
+        self.kv_pending_loads = gauge(names.KV_PENDING_LOADS, "Requests waiting here for remote KV.")
+        self.num_preemptions = counter(names.NUM_PREEMPTIONS, "Cumulative number of preemptions.")
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "Number of generation tokens processed.")
+        self.request_success = counter(names.REQUEST_SUCCESS, "Finished requests.")
+        self.ttft = histogram(names.TTFT, "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram(names.ITL, "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(names.E2E_LATENCY, "End-to-end request latency in seconds.",
                              E2E_BUCKETS)
-        self.nixl_xfer_time = histogram("vllm:nixl_xfer_time_seconds", "Transfer duration for NIXL KV cache "
+        self.nixl_xfer_time = histogram(names.NIXL_XFER_TIME, "Transfer duration for NIXL KV cache "
                                         "transfers.", XFER_TIME_BUCKETS)
-        self.nixl_post_time = histogram("vllm:nixl_post_time_seconds", "Transfer post time for NIXL KV cache "
+        self.nixl_post_time = histogram(names.NIXL_POST_TIME, "Transfer post time for NIXL KV cache "
                                         "transfers.", XFER_TIME_BUCKETS)
-        self.nixl_bytes = histogram("vllm:nixl_bytes_transferred", "Number of bytes transferred per NIXL KV "
+        self.nixl_bytes = histogram(names.NIXL_BYTES, "Number of bytes transferred per NIXL KV "
                                     "cache transfer.", BYTES_BUCKETS)
-        self.nixl_descriptors = histogram("vllm:nixl_num_descriptors", "Number of descriptors per NIXL KV cache "
+        self.nixl_descriptors = histogram(names.NIXL_DESCRIPTORS, "Number of descriptors per NIXL KV cache "
                                           "transfer.", DESCRIPTOR_BUCKETS)
-        self.nixl_failed = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers.")
-        self.nixl_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks expired unread "
+        self.nixl_failed = counter(names.NIXL_FAILED_TRANSFERS, "Number of failed NIXL KV cache transfers.")
+        self.nixl_expired = counter(names.NIXL_EXPIRED_REQS, "Requests whose KV blocks expired unread "
                                     "(lease).")
-        self.kv_bytes_loaded = counter("disagg:kv_bytes_loaded", "KV-cache bytes received from another worker "
+        self.kv_bytes_loaded = counter(names.KV_BYTES_LOADED, "KV-cache bytes received from another worker "
                                        "(any connector).")
-        self.kv_bytes_saved = counter("disagg:kv_bytes_saved", "KV-cache bytes written for another worker "
+        self.kv_bytes_saved = counter(names.KV_BYTES_SAVED, "KV-cache bytes written for another worker "
                                       "(connectors that push, e.g. shared storage).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+        self.prefix_cache_queries = counter(names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of "
                                             "number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+        self.prefix_cache_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of "
                                          "cached tokens.")
         self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0, "pc_queries": 0, "pc_hits": 0}
 
