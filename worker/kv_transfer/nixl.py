@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
 from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.kv_transfer.nixl_metadata import NixlConnectorMetadata, NixlSettings
+from disagg.worker.kv_transfer.nixl_metrics import NIXL_METRICS
 from disagg.worker.kv_transfer.nixl_scheduler import NixlConnectorScheduler
 from disagg.worker.kv_transfer.nixl_worker import NixlConnectorWorker
 
@@ -68,6 +69,8 @@ def _require_nixl() -> None:
 
 class NixlConnector(KVConnectorBase):
     """KVConnectorBase over NixlConnectorScheduler (role SCHEDULER) or NixlConnectorWorker (role WORKER)."""
+
+    metrics = NIXL_METRICS
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         _require_nixl()

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
+from disagg.worker.kv_transfer.base import (
+    KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig, kv_bytes_loaded, kv_bytes_saved,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,8 @@ class SharedStorageMetadata:
 
 
 class SharedStorageConnector(KVConnectorBase):
+    metrics = (kv_bytes_loaded("bytes_loaded"), kv_bytes_saved("bytes_saved"))
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         super().__init__(config, role, kv_cache_spec)
         path = config.kv_connector_extra_config.get("shared_storage_path")
