@@ -57,7 +57,7 @@ def sampler_only(base: str, batch: int, vocab: int, rounds: int) -> None:
 
     import torch
 
-    from disagg.worker.engine.sampling_params import SamplingParams
+    from disagg.worker.sampling_params import SamplingParams
     from disagg.worker.runner.sampler import SamplingBatch, sample_batch
 
     spec = importlib.util.spec_from_file_location("base_sampler", f"{base}/disagg/worker/runner/sampler.py")

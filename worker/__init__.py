@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from disagg.worker.engine.llm import LLM

@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from disagg.worker.engine.config import EngineConfig
+from disagg.worker.config import EngineConfig
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.request_output import RequestOutput
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 
 
 class LLM:
@@ -54,14 +54,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(results) < n:
-            outputs = engine.step()
+            outputs = engine.step_or_wait()
             for out in outputs:
                 if out.finished and out.request_id in wanted:
                     results[out.request_id] = out
             if not outputs and not engine.has_unfinished_requests() and len(results) < n:
                 raise RuntimeError("engine has no unfinished requests but some results are missing")
-            if not outputs:
-                time.sleep(0.0005)  # waiting for asynchronous KV; let transfers progress
         self._drain()
         return [results[r] for r in ids]
 
@@ -69,8 +67,7 @@ class LLM:
         """Step until blocks held for remote readers are released (or the lease frees them)."""
         deadline = time.monotonic() + timeout
         while self.engine.has_pending_kv_work() and time.monotonic() < deadline:
-            self.engine.step()
-            time.sleep(0.001)
+            self.engine.step_or_wait()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

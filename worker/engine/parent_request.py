@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.request import Request
+from disagg.worker.kv_transfer.handoff import Handoff
+from disagg.worker.sampling_params import SamplingParams
 
 
 @dataclass
@@ -42,6 +44,23 @@ class ParentRequests:
         for i in range(n):
             self._children[parent.child_id(i)] = (parent, i)
         return parent
+
+    def make_requests(self, request_id: str, token_ids: list[int], sp: SamplingParams, eos_token_ids: frozenset[int],
+                      handoff: Handoff | None, delivered: tuple[int, ...]) -> list[Request]:
+        """The engine requests of one client request: itself when n == 1, else its n children (child 0 carries
+        the hand-off; the others wait for its prompt KV). delivered: its first output tokens, already chosen."""
+        if sp.n == 1:
+            req = Request(request_id, token_ids, sp, eos_token_ids, handoff)
+            req.forced_output_ids = delivered
+            return [req]
+        parent = self.add(request_id, sp.n)
+        children = []
+        for i in range(sp.n):
+            child = Request(parent.child_id(i), token_ids, parent.child_params(sp, i), eos_token_ids,
+                            handoff if i == 0 else None)
+            child.wait_for = parent.child_id(0) if i else None
+            children.append(child)
+        return children
 
     def children_of(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handoff import Handoff
 
 

@@ -20,7 +20,7 @@ from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.kv_transfer.base import KVTransferParamsError
 from disagg.worker.kv_transfer.handoff import Handoff
-from disagg.worker.engine.outputs import (
+from disagg.worker.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     KVConnectorOutput,

@@ -5,18 +5,16 @@ mask 8 us vs llguidance 42 us and outlines-core 19 us, compile 2.3 ms (outlines-
 compiles lazily, 0.3 ms up front); it also has a built-in JSON grammar for json_object and EBNF for choices.
 
 The engine compiles at admission (a bad schema is the request's fault: ValueError -> 400); the runner makes
-one matcher per request from the compiled grammar and replays already-generated tokens into it (after a
-preemption), so the grammar state follows the sequence wherever its tokens are computed.
+one matcher per request from the compiled grammar (runner/grammar_mask.new_matcher) and replays
+already-generated tokens into it (after a preemption), so the grammar state follows the sequence wherever its
+tokens are computed.
 """
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
-from disagg.worker.engine.sampling_params import SamplingParams, StructuredOutputSpec
-
-logger = logging.getLogger(__name__)
+from disagg.worker.sampling_params import StructuredOutputSpec
 
 # compact JSON (no free whitespace): a weak or random model would otherwise emit whitespace for ever
 SEPARATORS = (", ", ": ")
@@ -65,18 +63,3 @@ class GrammarCompiler:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar's parse errors are RuntimeErrors: the request's fault
             raise ValueError(f"structured output ({kind}) cannot be compiled: {e}") from None
-
-
-def new_matcher(sp: SamplingParams, generated: list[int]) -> Any:
-    """A grammar matcher for the request (None if unconstrained), advanced over tokens it already generated."""
-    spec = sp.structured_output
-    if spec is None or spec.compiled is None:
-        return None
-    import xgrammar as xgr
-
-    matcher = xgr.GrammarMatcher(spec.compiled)
-    for token_id in generated:
-        if not matcher.accept_token(token_id):
-            logger.warning("grammar replay rejected token %d", token_id)
-            break
-    return matcher

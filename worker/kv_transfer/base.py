@@ -15,13 +15,14 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from disagg.worker.metric_names import KV_BYTES_LOADED, KV_BYTES_SAVED
 
 if TYPE_CHECKING:  # the scheduler side never imports torch
     import torch
 
-    from disagg.worker.engine.request import Request
-    from disagg.worker.engine.outputs import SchedulerOutput
+    from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
     from disagg.worker.kv_transfer.handoff import Handoff
 
 
@@ -77,7 +78,37 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class ConnectorMetric:
+    """A Prometheus metric a connector's stats feed (as in vLLM, each connector describes its own). The worker
+    registers it with the model_name and role labels, and after each step feeds it the value under `stats_key` in
+    the connector's get_kv_connector_stats(): a histogram observes every value of a list (one per transfer), a
+    counter adds a number or every value of a list, a gauge is set to a number. A missing key, None or an empty
+    list changes nothing. Stats keys mean the same for every connector (a built-in key feeds that metric)."""
+
+    name: str  # without the _total a counter gets; vLLM's name where vLLM has the metric (metric_names.py)
+    kind: Literal["counter", "gauge", "histogram"]
+    documentation: str  # the HELP text
+    stats_key: str  # the key in get_kv_connector_stats()'s dict that feeds it
+    buckets: tuple[float, ...] = ()  # a histogram's bucket upper bounds
+
+
+def kv_bytes_loaded(stats_key: str) -> ConnectorMetric:
+    """disagg:kv_bytes_loaded, fed by `stats_key`: every connector that receives KV from another worker."""
+    return ConnectorMetric(KV_BYTES_LOADED, "counter", "KV-cache bytes received from another worker (any connector).",
+                           stats_key)
+
+
+def kv_bytes_saved(stats_key: str) -> ConnectorMetric:
+    """disagg:kv_bytes_saved, fed by `stats_key`: every connector that writes KV for another worker."""
+    return ConnectorMetric(KV_BYTES_SAVED, "counter", "KV-cache bytes written for another worker (connectors that "
+                           "push, e.g. shared storage).", stats_key)
+
+
 class KVConnectorBase(ABC):
+    # the metrics its get_kv_connector_stats() feeds; the worker exports them (server/metrics.py)
+    metrics: ClassVar[tuple[ConnectorMetric, ...]] = ()
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         self.config = config
         self.role = role
@@ -136,14 +167,16 @@ class KVConnectorBase(ABC):
         It is already parsed (handoff.Handoff: well-formed, the connector's declared extra keys type-checked)."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens available externally beyond num_computed_tokens, whether they load asynchronously).
 
         None as the count means "not known yet, ask again next step". Raising KVTransferParamsError
         fails the request with that message."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks were allocated for the request; remember which ones receive external KV."""
 
     @abstractmethod
@@ -153,7 +186,7 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: Any) -> None:
         """The scheduler saw the step's KVConnectorOutput (e.g. to track finished sends)."""
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]
                          ) -> tuple[bool, "Handoff | dict[str, Any] | None"]:
         """(delay_free, kv_transfer_params for the decode side: a Handoff, or a vLLM-style dict the scheduler
         parses). delay_free=True keeps the blocks until finished_sending reports the request.

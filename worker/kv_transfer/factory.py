@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 
-from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
+from disagg.worker.kv_transfer.base import (
+    ConnectorMetric, KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig,
+)
 from disagg.worker.kv_transfer.connectors import CONNECTORS
 
 
@@ -42,3 +44,12 @@ def create_connector(
     if not config.kv_connector and not config.kv_connector_module_path:
         return None
     return resolve_connector_class(config)(config, role, kv_cache_spec)
+
+
+def exported_connector_metrics(config: KVTransferConfig | None = None) -> tuple[ConnectorMetric, ...]:
+    """The connector metrics a worker exports: every built-in connector's (dashboards, alerts and the autoscaler
+    read them from every worker, zero where another connector runs) and the configured connector's own."""
+    classes = [_load_class(d.target) for d in CONNECTORS.values()]
+    if config is not None and (config.kv_connector or config.kv_connector_module_path):
+        classes.append(resolve_connector_class(config))
+    return tuple(dict.fromkeys(m for cls in classes for m in cls.metrics))

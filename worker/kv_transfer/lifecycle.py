@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 
 from disagg.worker.kv_transfer.base import KVConnectorBase
-from disagg.worker.engine.outputs import KVConnectorOutput, SchedulerOutput
+from disagg.worker.outputs import KVConnectorOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

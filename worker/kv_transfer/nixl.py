@@ -44,14 +44,14 @@ from typing import TYPE_CHECKING, Any
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
 from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.kv_transfer.nixl_metadata import NixlConnectorMetadata, NixlSettings
+from disagg.worker.kv_transfer.nixl_metrics import NIXL_METRICS
 from disagg.worker.kv_transfer.nixl_scheduler import NixlConnectorScheduler
 from disagg.worker.kv_transfer.nixl_worker import NixlConnectorWorker
 
 if TYPE_CHECKING:
     import torch
 
-    from disagg.worker.engine.outputs import SchedulerOutput
-    from disagg.worker.engine.request import Request
+    from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
     from disagg.worker.kv_transfer.nixl_transport import NixlTransport
 
 __all__ = ["NixlConnector"]
@@ -69,6 +69,8 @@ def _require_nixl() -> None:
 
 class NixlConnector(KVConnectorBase):
     """KVConnectorBase over NixlConnectorScheduler (role SCHEDULER) or NixlConnectorWorker (role WORKER)."""
+
+    metrics = NIXL_METRICS
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         _require_nixl()
@@ -120,10 +122,12 @@ class NixlConnector(KVConnectorBase):
     def validate_kv_transfer_params(self, prompt_token_ids: list[int], params: Handoff) -> None:
         self._scheduler_side().validate_kv_transfer_params(prompt_token_ids, params)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         self._scheduler_side().update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
@@ -132,7 +136,7 @@ class NixlConnector(KVConnectorBase):
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Handoff | None]:
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]) -> tuple[bool, Handoff | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
     def get_pending_counts(self) -> dict[str, int]:

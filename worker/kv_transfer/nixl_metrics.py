@@ -1,13 +1,33 @@
-"""Per-transfer NIXL statistics, accumulated by NixlTransport and drained once per engine step.
-
-The keys mirror vLLM's NIXL connector metrics so the metrics layer can map them 1:1:
-xfer_time_s -> vllm:nixl_xfer_time_seconds, bytes -> vllm:nixl_bytes_transferred,
-num_descriptors -> vllm:nixl_num_descriptors, num_failed_transfers -> vllm:nixl_num_failed_transfers.
-"""
+"""Per-transfer NIXL statistics, accumulated by NixlTransport and drained once per engine step, and the metrics
+they feed (NIXL_METRICS, the NIXL connector's declaration): vLLM's NIXL metrics, names, types and buckets, and
+the bytes every connector reports as loaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from disagg.worker import metric_names as names
+from disagg.worker.kv_transfer.base import ConnectorMetric, kv_bytes_loaded
+
+XFER_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # seconds
+BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)
+
+NIXL_METRICS = (
+    ConnectorMetric(names.NIXL_XFER_TIME, "histogram", "Transfer duration for NIXL KV cache transfers.",
+                    "xfer_time_s", XFER_TIME_BUCKETS),
+    ConnectorMetric(names.NIXL_POST_TIME, "histogram", "Transfer post time for NIXL KV cache transfers.",
+                    "post_time_s", XFER_TIME_BUCKETS),
+    ConnectorMetric(names.NIXL_BYTES, "histogram", "Number of bytes transferred per NIXL KV cache transfer.",
+                    "bytes", BYTES_BUCKETS),
+    ConnectorMetric(names.NIXL_DESCRIPTORS, "histogram", "Number of descriptors per NIXL KV cache transfer.",
+                    "num_descriptors", DESCRIPTOR_BUCKETS),
+    ConnectorMetric(names.NIXL_FAILED_TRANSFERS, "counter", "Number of failed NIXL KV cache transfers.",
+                    "num_failed_transfers"),
+    ConnectorMetric(names.NIXL_EXPIRED_REQS, "counter", "Requests whose KV blocks expired unread (lease).",
+                    "num_kv_expired_reqs"),
+    kv_bytes_loaded("bytes"),
+)
 
 
 @dataclass

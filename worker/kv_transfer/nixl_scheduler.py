@@ -21,7 +21,7 @@ from disagg.worker.kv_transfer.side_channel import (
 )
 
 if TYPE_CHECKING:
-    from disagg.worker.engine.request import Request
+    from disagg.worker.outputs import ConnectorRequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ class NixlConnectorScheduler:
                 f"{len(prompt_token_ids)} tokens fill {needed} blocks of {self.block_size}"
             )
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         p = _remote(request)
         if p is None or request.request_id in self._consumed or request.num_output_tokens:
             return 0, False
@@ -85,7 +86,7 @@ class NixlConnectorScheduler:
             )
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def _peer_for(self, request: "Request", p: RemoteKV) -> EngineMetadata | None:
+    def _peer_for(self, request: "ConnectorRequest", p: RemoteKV) -> EngineMetadata | None:
         """Cached or freshly fetched metadata of the request's prefill engine; None while the
         handshake runs, or when it failed under policy recompute (the request is then consumed)."""
         key = (p.host, p.port)
@@ -119,14 +120,15 @@ class NixlConnectorScheduler:
                 "(the prefill engine restarted; its blocks are gone)")
         return peer
 
-    def _remote_unusable(self, request: "Request", message: str) -> None:
+    def _remote_unusable(self, request: "ConnectorRequest", message: str) -> None:
         if self.failure_policy == "fail":
             raise KVTransferParamsError(f"request {request.request_id}: {message}")
         logger.warning("request %s: %s; computing the prompt locally", request.request_id, message)
         self._consumed.add(request.request_id)
         return None
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         p = _remote(request)
         if not num_external_tokens or p is None or request.request_id in self._consumed:
             return
@@ -159,7 +161,7 @@ class NixlConnectorScheduler:
                 self._peers.pop(key, None)  # maybe restarted: handshake again next time
 
     # -------- prefill side: keeping a prompt's KV for a reader
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Handoff | None]:
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]) -> tuple[bool, Handoff | None]:
         self._consumed.discard(request.request_id)
         handoff = request.kv_transfer_params
         if handoff is None or not handoff.is_prefill_hop or request.status.finish_reason in ("abort", "error"):
@@ -182,6 +184,6 @@ class NixlConnectorScheduler:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _remote(request: "Request") -> RemoteKV | None:
+def _remote(request: "ConnectorRequest") -> RemoteKV | None:
     """Where the request's prompt KV is, when it reads remote KV (checked when it arrived)."""
     return request.kv_transfer_params.remote if request.kv_transfer_params is not None else None

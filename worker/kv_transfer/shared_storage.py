@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
+from disagg.worker.kv_transfer.base import (
+    KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig, kv_bytes_loaded, kv_bytes_saved,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from disagg.worker.engine.request import Request
-    from disagg.worker.engine.outputs import SchedulerOutput
+    from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class SharedStorageMetadata:
 
 
 class SharedStorageConnector(KVConnectorBase):
+    metrics = (kv_bytes_loaded("bytes_loaded"), kv_bytes_saved("bytes_saved"))
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         super().__init__(config, role, kv_cache_spec)
         path = config.kv_connector_extra_config.get("shared_storage_path")
@@ -75,7 +78,8 @@ class SharedStorageConnector(KVConnectorBase):
         return self.root / f"{key}.safetensors"
 
     # ---------------- scheduler role
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "ConnectorRequest",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.config.kv_role == "kv_producer" or request.num_output_tokens:
             return 0, False
         n = self._aligned_tokens(request.prompt_token_ids)
@@ -83,7 +87,8 @@ class SharedStorageConnector(KVConnectorBase):
             return 0, False
         return n - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "ConnectorRequest",
+                                 block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens:
             n = self._aligned_tokens(request.prompt_token_ids)
             first = (n - num_external_tokens) // self.block_size
@@ -113,7 +118,7 @@ class SharedStorageConnector(KVConnectorBase):
                     meta.saves.append(_Transfer(req_id, key, list(blocks[: n // self.block_size]), 0))
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "ConnectorRequest", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._unsaved.pop(request.request_id, None)
         return False, None
 

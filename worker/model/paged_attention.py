@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.worker.model import cpu_kernels
-from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 
 
 @dataclass

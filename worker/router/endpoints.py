@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field
 
+from disagg.worker.metric_names import KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from disagg.worker.router import outliers
 from disagg.worker.router.policies import DEFAULT_POLICY, make_policy
 from disagg.worker.router.policy import Candidate, RoutingPolicy
@@ -18,7 +19,7 @@ from disagg.worker.router.policy import Candidate, RoutingPolicy
 # Per router: `--unresponsive-after`, spec.router.timeouts.unresponsiveSeconds (a CPU-starved vLLM needs more)
 UNRESPONSIVE_AFTER_S = 8.0
 # what a worker's /metrics says about its load: the same names on both engines (ours exports vLLM's)
-RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+RUNNING, WAITING, KV_USAGE = NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE
 
 
 @dataclass

@@ -1,11 +1,15 @@
-"""Structured-output masks in the sampler: each constrained row's grammar matcher (xgrammar) fills its row
-of one batch bitmask; one masked-fill applies them all. Rows without a matcher are not touched."""
+"""Structured outputs in the runner: one grammar matcher (xgrammar) per constrained request, made from the
+grammar the engine compiled at admission (engine/structured_output.py); in the sampler each constrained row's
+matcher fills its row of one batch bitmask and one masked-fill applies them all. Rows without a matcher are not
+touched."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 import torch
+
+from disagg.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -26,3 +30,18 @@ def advance_matchers(matchers: list[Any], token_ids: list[int], req_ids: list[st
     for m, t, r in zip(matchers, token_ids, req_ids):
         if m is not None and not m.is_terminated() and not m.accept_token(t):
             logger.warning("request %s: grammar rejected sampled token %d", r, t)
+
+
+def new_matcher(sp: SamplingParams, generated: list[int]) -> Any:
+    """A grammar matcher for the request (None if unconstrained), advanced over tokens it already generated."""
+    spec = sp.structured_output
+    if spec is None or spec.compiled is None:
+        return None
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(spec.compiled)
+    for token_id in generated:
+        if not matcher.accept_token(token_id):
+            logger.warning("grammar replay rejected token %d", token_id)
+            break
+    return matcher

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from disagg.worker.engine.outputs import TokenLogprobs
+from disagg.worker.outputs import TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:

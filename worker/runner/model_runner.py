@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from disagg.worker.kv_transfer.base import KVConnectorBase
 from disagg.worker.kv_transfer.lifecycle import kv_connector_step
-from disagg.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from disagg.worker.outputs import ModelRunnerOutput, SchedulerOutput
 from disagg.worker.runner.logprobs import prompt_logprobs_for_step
 from disagg.worker.runner.sampler import SamplingBatch, sample_batch
-from disagg.worker.engine.sampling_params import SamplingParams
-from disagg.worker.engine.structured_output import new_matcher
+from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.runner.grammar_mask import new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +55,10 @@ class ModelRunner:
         self.kv_cache = kv_cache  # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.device = device
-        self.connector = connector  # worker-role connector or None
+        self.connector = connector  # worker-role connector (runner/worker.py registered the cache with it) or None
         self.requests: dict[str, CachedRequestState] = {}
         # draws for requests without their own seed: the same seed and workload sample the same text
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        if connector is not None:
-            connector.register_kv_caches({"kv_cache": kv_cache})
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:

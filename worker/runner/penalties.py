@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 
 
 def token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

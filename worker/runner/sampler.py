@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from disagg.worker.engine.outputs import TokenLogprobs
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.outputs import TokenLogprobs
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.runner.grammar_mask import advance_matchers, apply_grammar_masks
 from disagg.worker.runner.logprobs import token_logprobs
 from disagg.worker.runner.penalties import apply_logit_bias, apply_min_tokens, apply_penalties

@@ -23,7 +23,7 @@ logger = logging.getLogger("disagg.worker.server")
 
 
 def engine_config(args: argparse.Namespace, model: str) -> Any:
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
 
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
@@ -65,13 +65,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, config: Any, publisher: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
-    from disagg.worker.server.metrics import WorkerMetrics
+    from disagg.worker.server.metrics import worker_metrics
     from disagg.worker.server.app import ServerState, build_app
     from disagg.worker.server.engine_loop import EngineLoop
 
     lease = float(config.kv_transfer_config.kv_connector_extra_config.get("lease_seconds", DEFAULT_LEASE_SECONDS))
-    engine_loop = EngineLoop(lambda: LLMEngine(config),
-                             lambda engine: WorkerMetrics(engine.served_model_name, args.role),
+    engine_loop = EngineLoop(lambda: LLMEngine(config), lambda engine: worker_metrics(engine, args.role),
                              publish_kv_events=publisher.publish if publisher is not None else None)
     state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None)
     app = build_app(state)

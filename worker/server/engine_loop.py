@@ -3,7 +3,10 @@
 The engine is synchronous and not thread-safe, so only this thread touches it: it takes commands
 (add, abort) from a thread-safe queue, steps, and hands each RequestOutput to the request's asyncio
 queue with loop.call_soon_threadsafe. It keeps stepping while KV transfers are pending (empty steps
-surface finished transfers) and sleeps briefly only when there is nothing at all to do.
+surface finished transfers; LLMEngine.step_or_wait holds the idle wait between them) and blocks on the
+command queue only when there is nothing at all to do. It uses the engine only through its loop API:
+add_request, abort_request, has_unfinished_requests, has_pending_kv_work, step_or_wait, metrics_snapshot,
+take_kv_connector_stats, take_kv_events, shutdown.
 """
 from __future__ import annotations
 
@@ -15,14 +18,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from disagg.worker.server.metrics import EngineSnapshot, WorkerMetrics
+from disagg.worker.server.metrics import WorkerMetrics
 from disagg.worker.engine.request_output import RequestOutput
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handoff import Handoff
 
 logger = logging.getLogger(__name__)
 
-IDLE_SLEEP_S = 0.001  # between empty steps while transfers are pending, and when idle
+IDLE_BLOCK_S = 0.05  # nothing to do: how long one wait for the next command lasts
 
 
 @dataclass
@@ -129,24 +132,17 @@ class EngineLoop:
             if not self.busy:
                 self._update_metrics(engine)
                 try:  # idle: block briefly for the next command instead of spinning
-                    self._handle(engine, self._commands.get(timeout=0.05))
+                    self._handle(engine, self._commands.get(timeout=IDLE_BLOCK_S))
                 except queue.Empty:
                     pass
                 continue
-            outputs = engine.step()
-            for out in outputs:
+            for out in engine.step_or_wait():
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     self._loop.call_soon_threadsafe(sink.put_nowait, out)
                     if out.finished:
                         del self._sinks[out.request_id]
             self._update_metrics(engine)
-            if not outputs and not engine.scheduler.has_landed_remote_kv():
-                # waiting on asynchronous KV: let transfers progress. Not when KV has just landed: the
-                # next step admits that request; and the wait ends early when the connector sees a
-                # load finish, since a plain sleep (1 ms asked, often several on a busy machine) went
-                # straight into that request's time to first token
-                engine.wait_for_kv_progress(IDLE_SLEEP_S)
 
     def _take_commands(self, engine: Any) -> None:
         while True:
@@ -170,22 +166,9 @@ class EngineLoop:
         cmd.accepted.set_result(None)
 
     def _update_metrics(self, engine: Any) -> None:
-        sched = engine.scheduler
-        conn = engine.scheduler_connector
-        pending = conn.get_pending_counts() if conn is not None else {}
-        self.metrics.update_engine(EngineSnapshot(
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_waiting_prompt_tokens=sum(r.num_prompt_tokens for r in sched.waiting),
-            kv_cache_usage=engine.kv_cache_manager.usage(),
-            num_preemptions_total=sched.num_preemptions_total,
-            prompt_tokens_total=engine.stats.prompt_tokens, generation_tokens_total=engine.stats.generation_tokens,
-            pending_sends=pending.get("pending_sends", 0), pending_loads=pending.get("pending_loads", 0),
-            prefix_cache_queries_total=sched.prefix_cache_queries_total,
-            prefix_cache_hits_total=sched.prefix_cache_hits_total,
-        ))
-        stats = engine.stats.kv_connector_stats
-        while stats:
-            self.metrics.observe_connector_stats(stats.pop(0))
+        self.metrics.update_engine(engine.metrics_snapshot())
+        for stats in engine.take_kv_connector_stats():
+            self.metrics.observe_connector_stats(stats)
         if self._publish_kv_events is not None:
             batch = engine.take_kv_events()
             if batch is not None:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from disagg.worker.engine.outputs import TokenLogprobs
+from disagg.worker.outputs import TokenLogprobs
 from disagg.worker.engine.request_output import CompletionOutput, RequestOutput
 from disagg.worker.server.protocol import APIError, error_body, sse, usage
 from disagg.worker.server.responses import (

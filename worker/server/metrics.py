@@ -1,15 +1,21 @@
-"""Prometheus metrics of a worker, on its own CollectorRegistry (no global state).
+"""Prometheus metrics of a worker, on its own CollectorRegistry (no global state): the engine's and the request
+latencies declared here, the KV connectors' as they declare them (KVConnectorBase.metrics).
 
-Names, types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and routers
-work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
+Names (metric_names.py), types and meanings follow vLLM where vLLM has the metric (dashboards, KEDA triggers and
+routers work unchanged); the rest carries the `disagg:` prefix. Every metric has `model_name` and `role` labels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layers)
+
+from disagg.worker import metric_names as names
+from disagg.worker.engine.stats import EngineSnapshot
+from disagg.worker.kv_transfer.base import ConnectorMetric
+from disagg.worker.kv_transfer.factory import exported_connector_metrics
 
 LABELS = ("model_name", "role")
 
@@ -20,30 +26,50 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-XFER_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
-DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine gauges read in the engine thread after a step (plain values, no engine reference)."""
+class ConnectorMetrics:
+    """The connectors' declared metrics (kv_transfer/base.ConnectorMetric), registered once per name and fed from
+    each step's connector stats."""
 
-    num_running: int
-    num_waiting: int  # includes requests waiting for remote KV, as in vLLM
-    num_waiting_prompt_tokens: int  # prompt tokens of the waiting requests (queued prefill work)
-    kv_cache_usage: float  # 0..1
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    pending_sends: int  # requests whose KV waits at this (prefill) worker to be pulled
-    pending_loads: int  # requests waiting at this (decode) worker for remote KV
-    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the local prefix cache
-    prefix_cache_hits_total: int = 0  # of those, tokens found there
+    def __init__(self, declared: Sequence[ConnectorMetric], registry: CollectorRegistry, labels: tuple[str, str]):
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        first: dict[str, ConnectorMetric] = {}
+        metrics: dict[str, Any] = {}
+        self._feeds: list[tuple[str, str, Any]] = []  # (stats key, kind, labelled metric)
+        for m in dict.fromkeys(declared):
+            seen = first.setdefault(m.name, m)
+            if (seen.kind, seen.documentation, seen.buckets) != (m.kind, m.documentation, m.buckets):
+                raise ValueError(f"connector metric {m.name} is declared twice with different kind, documentation "
+                                 f"or buckets: {seen} and {m}")
+            if m.kind not in kinds:
+                raise ValueError(f"connector metric {m.name}: kind {m.kind!r} is not one of {', '.join(kinds)}")
+            if m.name not in metrics:
+                extra = {"buckets": m.buckets} if m.kind == "histogram" and m.buckets else {}
+                metrics[m.name] = kinds[m.kind](m.name, m.documentation, LABELS, registry=registry,
+                                                **extra).labels(*labels)
+            self._feeds.append((m.stats_key, m.kind, metrics[m.name]))
+
+    def observe(self, stats: dict[str, Any]) -> None:
+        for key, kind, metric in self._feeds:
+            value = stats.get(key)
+            if value is None:
+                continue
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            if kind == "histogram":
+                for v in values:
+                    metric.observe(v)
+            elif kind == "counter":
+                if any(values):
+                    metric.inc(sum(values))
+            elif values:
+                metric.set(values[-1])
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str, role: str):
+    def __init__(self, model_name: str, role: str, connector_metrics: Sequence[ConnectorMetric] | None = None):
+        """connector_metrics: what the KV connectors declare (kv_transfer/factory.exported_connector_metrics; by
+        default the built-in connectors')."""
         self.registry = CollectorRegistry()
         r, labels = self.registry, (model_name, role)
 
@@ -56,41 +82,27 @@ class WorkerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*labels)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.num_waiting_prompt_tokens = gauge("disagg:num_waiting_prompt_tokens", "Prompt tokens of the "
+        self.num_requests_running = gauge(names.NUM_REQUESTS_RUNNING, "Requests in model execution batches.")
+        self.num_requests_waiting = gauge(names.NUM_REQUESTS_WAITING, "Requests waiting to be processed.")
+        self.num_waiting_prompt_tokens = gauge(names.NUM_WAITING_PROMPT_TOKENS, "Prompt tokens of the "
                                                "requests waiting to be processed.")
-        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.kv_pending_sends = gauge("disagg:kv_pending_sends", "Requests whose KV waits here to be pulled.")
-        self.kv_pending_loads = gauge("disagg:kv_pending_loads", "Requests waiting here for remote KV.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = counter("vllm:request_success", "Finished requests.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                             E2E_BUCKETS)
-        self.nixl_xfer_time = histogram("vllm:nixl_xfer_time_seconds", "Transfer duration for NIXL KV cache "
-                                        "transfers.", XFER_TIME_BUCKETS)
-        self.nixl_post_time = histogram("vllm:nixl_post_time_seconds", "Transfer post time for NIXL KV cache "
-                                        "transfers.", XFER_TIME_BUCKETS)
-        self.nixl_bytes = histogram("vllm:nixl_bytes_transferred", "Number of bytes transferred per NIXL KV "
-                                    "cache transfer.", BYTES_BUCKETS)
-        self.nixl_descriptors = histogram("vllm:nixl_num_descriptors", "Number of descriptors per NIXL KV cache "
-                                          "transfer.", DESCRIPTOR_BUCKETS)
-        self.nixl_failed = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers.")
-        self.nixl_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks expired unread "
-                                    "(lease).")
-        self.kv_bytes_loaded = counter("disagg:kv_bytes_loaded", "KV-cache bytes received from another worker "
-                                       "(any connector).")
-        self.kv_bytes_saved = counter("disagg:kv_bytes_saved", "KV-cache bytes written for another worker "
-                                      "(connectors that push, e.g. shared storage).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+        self.kv_cache_usage_perc = gauge(names.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_pending_sends = gauge(names.KV_PENDING_SENDS, "Requests whose KV waits here to be pulled.")
+        self.kv_pending_loads = gauge(names.KV_PENDING_LOADS, "Requests waiting here for remote KV.")
+        self.num_preemptions = counter(names.NUM_PREEMPTIONS, "Cumulative number of preemptions.")
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "Number of generation tokens processed.")
+        self.request_success = counter(names.REQUEST_SUCCESS, "Finished requests.")
+        self.ttft = histogram(names.TTFT, "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram(names.ITL, "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(names.E2E_LATENCY, "End-to-end request latency in seconds.", E2E_BUCKETS)
+        self.prefix_cache_queries = counter(names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of "
                                             "number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+        self.prefix_cache_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of "
                                          "cached tokens.")
         self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0, "pc_queries": 0, "pc_hits": 0}
+        declared = exported_connector_metrics() if connector_metrics is None else connector_metrics
+        self.connector = ConnectorMetrics(declared, r, labels)
 
     # ---------------------------------------------------------------- engine thread
     def update_engine(self, snap: EngineSnapshot) -> None:
@@ -113,25 +125,9 @@ class WorkerMetrics:
                 self._last_totals[key] = value
 
     def observe_connector_stats(self, stats: dict[str, Any]) -> None:
-        """One step's connector stats (NIXL: lists per transfer; shared storage: byte counts). Unknown keys are
-        ignored so a new connector never breaks metrics."""
-        for value in stats.get("xfer_time_s", ()):
-            self.nixl_xfer_time.observe(value)
-        for value in stats.get("post_time_s", ()):
-            self.nixl_post_time.observe(value)
-        for value in stats.get("bytes", ()):
-            self.nixl_bytes.observe(value)
-            self.kv_bytes_loaded.inc(value)
-        for value in stats.get("num_descriptors", ()):
-            self.nixl_descriptors.observe(value)
-        if stats.get("num_failed_transfers"):
-            self.nixl_failed.inc(stats["num_failed_transfers"])
-        if stats.get("num_kv_expired_reqs"):
-            self.nixl_expired.inc(stats["num_kv_expired_reqs"])
-        if stats.get("bytes_loaded"):
-            self.kv_bytes_loaded.inc(stats["bytes_loaded"])
-        if stats.get("bytes_saved"):
-            self.kv_bytes_saved.inc(stats["bytes_saved"])
+        """One step's connector stats, into the metrics the connectors declare. Keys no declaration names are
+        ignored, so a new connector never breaks metrics."""
+        self.connector.observe(stats)
 
     # ---------------------------------------------------------------- per request (event loop)
     def observe_finished(self, arrival: float, first_token: float | None, finished: float) -> None:
@@ -143,3 +139,8 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def worker_metrics(engine: Any, role: str) -> WorkerMetrics:
+    """A loaded engine's metrics: its served name, and the metrics its configured connector declares."""
+    return WorkerMetrics(engine.served_model_name, role, exported_connector_metrics(engine.config.kv_transfer_config))

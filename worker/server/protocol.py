@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from disagg.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from disagg.worker.sampling_params import MAX_LOGPROBS, SamplingParams
 from disagg.worker.server.structured_fields import StructuredFields
 from disagg.worker.kv_transfer.connectors import handoff_fields_of
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError

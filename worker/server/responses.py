@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from disagg.worker.engine.outputs import TokenLogprobs
+from disagg.worker.outputs import TokenLogprobs
 
 Kind = Literal["completion", "chat"]
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)

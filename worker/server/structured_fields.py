@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from disagg.worker.engine.sampling_params import StructuredOutputSpec
+from disagg.worker.sampling_params import StructuredOutputSpec
 
 
 class JsonSchemaFormat(BaseModel):

@@ -9,21 +9,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Names as the workers export them (vLLM's where vLLM has the metric). Counters drop the "_total" suffix here.
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
-NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # fraction 0..1, as in vLLM
-TTFT = "vllm:time_to_first_token_seconds"  # histogram
-ITL = "vllm:inter_token_latency_seconds"  # histogram
-XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
-FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"  # counter
-EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs"  # counter
-PENDING_SENDS = "disagg:kv_pending_sends"  # gauge, prefill: requests whose KV waits to be pulled
-PENDING_LOADS = "disagg:kv_pending_loads"  # gauge, decode: requests waiting for remote KV
-WAITING_PROMPT_TOKENS = "disagg:num_waiting_prompt_tokens"  # gauge, prompt tokens of waiting requests
-PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: prompt tokens a worker has prefilled
+from disagg.worker.metric_names import (  # noqa: F401 (the policy modules read them here)
+    ITL, KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PROMPT_TOKENS, TTFT, VLLM_KV_FETCH_BY_STAGE,
+    KV_PENDING_LOADS as PENDING_LOADS, KV_PENDING_SENDS as PENDING_SENDS, NIXL_EXPIRED_REQS as EXPIRED_LEASES,
+    NIXL_FAILED_TRANSFERS as FAILED_TRANSFERS, NIXL_XFER_TIME as XFER_TIME,
+    NUM_WAITING_PROMPT_TOKENS as WAITING_PROMPT_TOKENS,
+)
 # vLLM has no disagg:kv_pending_loads; its decode workers count requests by async KV load stage instead. Those
 # not yet loaded (waiting to start + in progress) are the same signal, folded under this name when read.
-VLLM_KV_FETCH_BY_STAGE = "vllm:num_requests_kv_fetch_by_stage"
 VLLM_KV_FETCH_PENDING_STAGES = ("waiting_to_start", "in_progress")
 VLLM_PENDING_LOADS = VLLM_KV_FETCH_BY_STAGE + '{stage=~"waiting_to_start|in_progress"}'
 

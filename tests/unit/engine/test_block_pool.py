@@ -3,7 +3,7 @@ import pytest
 from disagg.worker.engine.block_pool import BlockPool, hash_request_blocks
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 
 
 def make_req(req_id: str, tokens: list[int]) -> Request:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from disagg.worker.engine.sampling_params import SamplingParams, StructuredOutputSpec
+from disagg.worker.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.worker.runner.logprobs import token_logprobs
 from disagg.worker.runner.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from disagg.worker.runner.sampler import SamplingBatch, sample_batch
@@ -81,7 +81,7 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks_and_top_k():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
     from disagg.worker.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64,
@@ -108,7 +108,8 @@ def test_n_choices_fork_from_one_prompt_sharing_its_full_blocks(engine):
 
 
 def test_grammar_matcher_replays_generated_tokens(engine):
-    from disagg.worker.engine.structured_output import GrammarCompiler, new_matcher
+    from disagg.worker.engine.structured_output import GrammarCompiler
+    from disagg.worker.runner.grammar_mask import new_matcher
     import xgrammar as xgr
 
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, sorted(engine.eos_token_ids))
@@ -128,7 +129,7 @@ def test_grammar_matcher_replays_generated_tokens(engine):
 
 
 def test_prompt_logprobs_over_chunked_prefill_equal_one_shot(engine, tiny_model_dir):
-    from disagg.worker.engine.config import EngineConfig
+    from disagg.worker.config import EngineConfig
     from disagg.worker.engine.llm_engine import LLMEngine
 
     chunked = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64,

@@ -8,8 +8,8 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
 from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorRole, KVTransferConfig
-from disagg.worker.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from disagg.worker.sampling_params import SamplingParams
 
 BLOCK = 4
 EOS = 0
@@ -249,6 +249,6 @@ def test_scheduler_side_imports_no_torch():
 
     code = ("import sys; sys.modules['torch'] = None\n"
             "import disagg.worker.engine.scheduler, disagg.worker.engine.kv_cache_manager\n"
-            "import disagg.worker.kv_transfer.base, disagg.worker.engine.outputs")
+            "import disagg.worker.kv_transfer.base, disagg.worker.outputs")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

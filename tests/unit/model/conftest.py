@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagg.worker.runner.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from disagg.worker.model import ModelConfig
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from disagg.worker.runner.forward_context import ForwardContext, set_forward_context
+from disagg.worker.forward_context import ForwardContext, set_forward_context
 from disagg.worker.model import load_model, write_tiny_checkpoint
 
 

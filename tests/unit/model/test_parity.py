@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.worker.runner.forward_context import ForwardContext, set_forward_context
+from disagg.worker.forward_context import ForwardContext, set_forward_context
 from disagg.worker.model import load_model
 
 HF_KINDS = ["llama_gqa", "llama3_rope", "linear_rope", "qwen2_tied", "mistral"]

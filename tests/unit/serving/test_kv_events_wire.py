@@ -15,7 +15,7 @@ import zmq.asyncio
 from disagg.worker.engine.block_pool import hash_block_tokens
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_events.collector import KVEventCollector
 from disagg.worker.kv_events.publisher import ZmqEventPublisher
 from disagg.worker.kv_events.schema import EventBatch

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from disagg.worker.engine.parent_request import ParentRequests
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.router.hop_bodies import needs_prompt_logits, prefill_body
 from disagg.worker.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_message
 

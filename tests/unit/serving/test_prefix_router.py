@@ -8,7 +8,7 @@ import pytest
 
 from disagg.worker.engine.kv_cache_manager import KVCacheManager
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_events.collector import KVEventCollector
 from disagg.worker.model.tokenizer import Tokenizer
 from disagg.worker.router.endpoints import EndpointPool

@@ -7,6 +7,7 @@ import pytest
 
 from disagg.operator.autoscaling.samples import WAITING_PROMPT_TOKENS
 from disagg.operator.spec import parse_spec
+from disagg.worker.engine.stats import engine_snapshot
 from disagg.worker.local.launcher import curl_example, plan
 from disagg.worker.server.metrics import WorkerMetrics
 from disagg.worker.server.engine_loop import EngineLoop
@@ -140,13 +141,13 @@ def test_worker_metrics_are_per_instance_and_labelled():
 
 
 def test_waiting_prompt_tokens_gauge_sums_the_waiting_queue_under_the_name_the_autoscaler_reads():
-    # the engine loop reads the scheduler's waiting deque; the gauge carries the name the autoscaler reads
+    # the engine's snapshot reads the scheduler's waiting deque; the gauge carries the name the autoscaler reads
     waiting = [SimpleNamespace(num_prompt_tokens=n) for n in (7, 30)]
-    engine = SimpleNamespace(
-        scheduler=SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0,
-                                  prefix_cache_queries_total=0, prefix_cache_hits_total=0),
-        scheduler_connector=None, kv_cache_manager=SimpleNamespace(usage=lambda: 0.25),
-        stats=SimpleNamespace(prompt_tokens=0, generation_tokens=0, kv_connector_stats=[]))
+    scheduler = SimpleNamespace(num_running=1, num_waiting=2, waiting=waiting, num_preemptions_total=0,
+                                prefix_cache_queries_total=0, prefix_cache_hits_total=0)
+    stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0)
+    engine = SimpleNamespace(metrics_snapshot=lambda: engine_snapshot(scheduler, 0.25, None, stats),
+                             take_kv_connector_stats=list)
     loop = EngineLoop(lambda: engine, lambda _: WorkerMetrics("m", "decode"))
     loop.metrics = WorkerMetrics("m", "decode")
     loop._update_metrics(engine)

@@ -1,13 +1,38 @@
-"""Plain dataclasses that cross the scheduler / model-runner / connector boundaries.
+"""Plain dataclasses that cross the scheduler / model-runner / connector boundaries, and what a connector
+reads of a request (`ConnectorRequest`).
 
-Lists and dicts only - no tensors - so they can be pickled between processes (vLLM V1 style).
+Below engine/, runner/ and kv_transfer/: each of them imports these, none imports another's internals for
+them. Lists and dicts only - no tensors - so they can be pickled between processes (vLLM V1 style).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from disagg.worker.kv_transfer.handoff import Handoff
+if TYPE_CHECKING:
+    from disagg.worker.kv_transfer.handoff import Handoff
+
+
+class FinishStatus(Protocol):
+    @property
+    def finish_reason(self) -> str | None: ...  # stop | length | abort | error; None while unfinished
+
+
+class ConnectorRequest(Protocol):
+    """What the scheduler-side connector reads of a request; the engine's Request is one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: Handoff | None  # the P/D hand-off, None without one
+
+    @property
+    def status(self) -> FinishStatus: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""Engine settings in one place (plain dataclass; the HTTP server and CLI fill it from flags)."""
+"""Engine settings in one place (plain dataclass; the HTTP server and CLI fill it from flags). Below the
+engine: its worker side (runner/worker.py) reads them too."""
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from disagg.worker.kv_transfer.base import KVTransferConfig
 
@@ -10,7 +12,7 @@ from disagg.worker.kv_transfer.base import KVTransferConfig
 @dataclass
 class EngineConfig:
     model: str  # checkpoint directory (config.json, *.safetensors, tokenizer.json)
-    served_model_name: str | None = None  # name in the API; defaults to the directory name
+    served_model_name: str | None = None  # name in the API; the directory name when not given
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
@@ -33,5 +35,6 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected auto, float32, bfloat16 or float16")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.served_model_name = self.served_model_name or Path(self.model).name
         if not self.kv_transfer_config.engine_id:
             self.kv_transfer_config.engine_id = uuid.uuid4().hex
