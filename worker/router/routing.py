@@ -159,6 +159,21 @@ class Routing:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str | None = None,
+                    namespace: str = "default", selector: str | None = None, worker_port: int = 8000,
+                    probe_interval_s: float = 1.0, decode_url: str | None = None, metrics_role: str = "decode",
+                    bounds: list[str] = ()) -> Routing:
+    """A decode side's routing (our worker's, pd-proxy's): the prefill pool it may call, from its discovery, and
+    `decode_url` (the engine behind it, if it reaches it over HTTP) as the decode pool."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_routing_arguments(p)
+    args = p.parse_args(["--discovery", discovery, "--probe-interval", str(probe_interval_s),
+                         "--namespace", namespace, "--worker-port", str(worker_port), *bounds])
+    args.prefill, args.decode = list(prefill), [decode_url] if decode_url else []
+    args.endpoints_file, args.prefill_selector = endpoints_file, selector
+    return build_routing(args, metrics_role=metrics_role, need_decode=False)
+
+
 def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_decode: bool = True,
                   early_first_token: bool = True) -> Routing:
     """The pools, policy, bounds and discovery the flags describe; ValueError naming what is wrong.

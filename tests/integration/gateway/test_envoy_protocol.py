@@ -16,6 +16,7 @@ import pytest
 
 from disagg.worker.gateway.envoy import envoy_argv, find_envoy
 from disagg.worker.gateway.envoy_config import GatewayConfig, build_envoy_config, write_pool_endpoints
+from disagg.worker.local.process import die_with_parent
 from disagg.worker.ports import free_port
 from waiting import wait_for
 
@@ -81,7 +82,7 @@ class PickerProcess:
     def __init__(self, decode: str, prefill: str):
         self.port = free_port("127.0.0.1")
         self.proc = subprocess.Popen([sys.executable, str(PICKER), str(self.port), decode, prefill],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def stop(self) -> None:
@@ -103,7 +104,7 @@ def start_envoy(tmp_path, picker_port: int, pool_port: int, failure_mode: str, d
     path = tmp_path / f"envoy-{failure_mode}-{duplex}.json"
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(envoy_argv(find_envoy(), str(path), concurrency=1), stdout=subprocess.DEVNULL,
-                            stderr=(tmp_path / "envoy.log").open("ab"))
+                            stderr=(tmp_path / "envoy.log").open("ab"), preexec_fn=die_with_parent)
     wait_for(lambda: _ok(f"http://127.0.0.1:{c.admin_port}/ready"), 20, "envoy ready")
     return proc, f"http://127.0.0.1:{c.listen_port}"
 
