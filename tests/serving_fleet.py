@@ -48,6 +48,34 @@ class Fleet:
                 "--prefill", *prefill, "--decode", *decode, *extra]
         return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
 
+    def epp(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = (), name: str = "epp") -> int:
+        """`disagg epp` on fresh ports; its ext_proc port is returned (its HTTP status port is its URL)."""
+        grpc_port, health_port, http_port = free_port(), free_port(), free_port()
+        argv = [*CLI, "epp", "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
+                str(health_port), "--metrics-port", str(http_port), "--probe-interval", "0.5",
+                "--prefill", *prefill, "--decode", *decode, *extra]
+        self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{http_port}"))
+        return grpc_port
+
+    def envoy(self, picker_port: int, pool: list[str], failure_mode: str = "FailClose", name: str = "envoy") -> str:
+        """A real Envoy as a GIE gateway (gateway/envoy_config.py) in front of `pool` (decode URLs, its
+        fail-open fallback); returns its listener's URL (readiness is its admin's /ready)."""
+        import json
+        from urllib.parse import urlsplit
+
+        from disagg.worker.gateway.envoy import envoy_argv, find_envoy
+        from disagg.worker.gateway.envoy_config import GatewayConfig, build_envoy_config, write_pool_endpoints
+
+        eds = self.log_dir / f"{name}-pool" / "eds.json"
+        eds.parent.mkdir(parents=True, exist_ok=True)
+        write_pool_endpoints(eds, [(urlsplit(u).hostname, urlsplit(u).port) for u in pool])
+        c = GatewayConfig("127.0.0.1", free_port(), "127.0.0.1", picker_port, str(eds), free_port(), failure_mode)
+        config = self.log_dir / f"{name}.json"
+        config.write_text(json.dumps(build_envoy_config(c)))
+        self._start(ProcessSpec(name, envoy_argv(find_envoy(), str(config), concurrency=1),
+                                f"http://127.0.0.1:{c.admin_port}"))
+        return f"http://127.0.0.1:{c.listen_port}"
+
     def _start(self, spec: ProcessSpec) -> str:
         proc = LocalProcess(spec, self.log_dir)
         proc.start()

@@ -11,6 +11,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("disagg.worker.model.fetch", "download a checkpoint (Hugging Face Hub, http(s) archive, s3://)"),
     "worker": ("disagg.worker.server.cli", "run an OpenAI-compatible worker (prefill, decode or both)"),
     "router": ("disagg.worker.router.cli", "run the prefill/decode router"),
+    "pd-proxy": ("disagg.worker.router.pd_proxy", "front a vLLM worker in its pod: signed hand-offs, the "
+                 "decode side's prefill hop, /ready"),
+    "epp": ("disagg.worker.gateway.epp", "run the endpoint picker a Gateway API inference gateway calls"),
     "up": ("disagg.worker.local.launcher", "run a DisaggregatedInference spec as local processes"),
     "operator": ("disagg.operator.cli", "run the Kubernetes operator"),
     "crd": ("disagg.operator.crd", "write the CRD YAML generated from the spec models"),

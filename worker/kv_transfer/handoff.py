@@ -32,6 +32,7 @@ _REMOTE_FIELDS: dict[str, tuple[str, type]] = {
     "remote_request_id": ("request_id", str),
 }
 LEASE_KEY = "remote_lease_expires_at"
+SIGNATURE_KEY = "disagg_signature"  # the prefill side's signature over the remote fields (handoff_auth.py)
 
 
 class HandoffError(KVTransferParamsError):
@@ -66,6 +67,7 @@ class Handoff:
     remote: RemoteKV | None = None  # set exactly when do_remote_prefill
     output_token_ids: tuple[int, ...] = ()  # the prefill's sampled token(s)
     delivered_token_ids: tuple[int, ...] = ()  # already streamed to the client; the decode continues after
+    signature: str | None = None  # "v1:<resource>:<hex HMAC>" over `remote` (handoff_auth.py)
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys of other engines and connectors, untouched
 
     # ---------------------------------------------------------------- constructors
@@ -89,13 +91,17 @@ class Handoff:
             raise HandoffError("kv_transfer_params: do_remote_prefill and do_remote_decode are exclusive")
         tokens = {name: _token_list(params, name) for name in _TOKEN_LISTS}
         remote = _parse_remote(params) if params.get("do_remote_prefill") else None
-        known = {*_FLAGS, *_TOKEN_LISTS, *((*_REMOTE_FIELDS, LEASE_KEY) if remote else ())}
+        signature = params.get(SIGNATURE_KEY)
+        if signature is not None and not (isinstance(signature, str) and signature):
+            raise HandoffError(f"kv_transfer_params.{SIGNATURE_KEY} must be a non-empty string, got {signature!r:.80}",
+                               SIGNATURE_KEY)
+        known = {*_FLAGS, *_TOKEN_LISTS, SIGNATURE_KEY, *((*_REMOTE_FIELDS, LEASE_KEY) if remote else ())}
         extra = {k: v for k, v in params.items() if k not in known}
         for key, typ in (extra_types or {}).items():
             if key in extra and (not isinstance(extra[key], typ) or isinstance(extra[key], bool) and typ is not bool):
                 raise HandoffError(f"kv_transfer_params.{key} must be {typ.__name__}, got {extra[key]!r}", key)
         return cls(params.get("do_remote_decode"), params.get("do_remote_prefill"), remote,
-                   tokens["output_token_ids"], tokens["delivered_token_ids"], extra)
+                   tokens["output_token_ids"], tokens["delivered_token_ids"], signature, extra)
 
     # ---------------------------------------------------------------- derived hand-offs
     def with_output(self, token_ids: list[int]) -> Handoff:
@@ -138,6 +144,8 @@ class Handoff:
                        remote_port=r.port, remote_request_id=r.request_id)
             if r.lease_expires_at is not None:
                 out[LEASE_KEY] = r.lease_expires_at
+        if self.signature is not None:
+            out[SIGNATURE_KEY] = self.signature
         out.update(self.extra)
         for name in _TOKEN_LISTS:
             if getattr(self, name):

@@ -46,7 +46,7 @@ class ProcessSpec:
 
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # the child gets SIGTERM if the launcher dies without cleaning up (Linux)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -67,7 +67,7 @@ class LocalProcess:
         log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
             self.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
+            env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=die_with_parent,
         )
         log.close()
         self.started_at = time.monotonic()

@@ -19,32 +19,7 @@ from disagg.worker.router.timeouts import Deadline
 
 def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="disagg router", docs_url=None, redoc_url=None)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
-        body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
-        return JSONResponse(body, status_code=200 if n_decode else 503)
-
-    @app.get("/endpoints")
-    async def endpoints() -> Response:
-        """The current membership (who scales workers waits here until a removed one is gone) and what the
-        policy weighs: load (requests in flight from here, or running + waiting by the worker's last /metrics)
-        and KV cache usage. Round-robin scrapes no /metrics: its load is this router's requests in flight and
-        its KV usage is null (unknown), not 0."""
-        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding, "load": e.load(),
-                             "kv_usage": e.kv_usage if pool.scrapes_metrics else None, "ejected": e in pool.ejected(),
-                             "ejections": e.health.ejections}
-                            for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
-        return JSONResponse(body)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    add_status_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -77,6 +52,37 @@ def build_app(state: RouterState) -> FastAPI:
         return to_response(await route(state, request, "/v1/chat/completions"))
 
     return app
+
+
+def add_status_routes(app: FastAPI, state: RouterState) -> None:
+    """/health, /ready (a decode endpoint is ready), /endpoints (membership and what the policy weighs) and
+    /metrics: the router's, and the endpoint picker's on its HTTP port."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
+        body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
+        return JSONResponse(body, status_code=200 if n_decode else 503)
+
+    @app.get("/endpoints")
+    async def endpoints() -> Response:
+        """The current membership (who scales workers waits here until a removed one is gone) and what the
+        policy weighs: load (requests in flight from here, or running + waiting by the worker's last /metrics)
+        and KV cache usage. Round-robin scrapes no /metrics: its load is this router's requests in flight and
+        its KV usage is null (unknown), not 0."""
+        body = {pool.role: [{"url": e.url, "ready": e.ready, "outstanding": e.outstanding, "load": e.load(),
+                             "kv_usage": e.kv_usage if pool.scrapes_metrics else None, "ejected": e in pool.ejected(),
+                             "ejections": e.health.ejections}
+                            for e in pool.endpoints.values()] for pool in (state.prefill, state.decode)}
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def to_response(reply: Reply) -> Response:

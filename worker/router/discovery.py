@@ -31,13 +31,17 @@ def pod_revisions(pods: list, port: int) -> dict[str, str | None]:
     return out
 
 
+LIST_TIMEOUT_S = (5.0, 10.0)  # (connect, read) of one pod listing: a hung API server must not hang discovery
+
+
 @dataclass
 class KubernetesDiscovery:
     namespace: str
     prefill_selector: str
-    decode_selector: str
+    decode_selector: str | None
     worker_port: int = 8000
     interval_s: float = 5.0
+    roles: tuple[str, ...] = ("prefill", "decode")  # the pools it keeps (a decode side's hop: prefill only)
 
     def __post_init__(self) -> None:
         try:
@@ -51,21 +55,22 @@ class KubernetesDiscovery:
         self._api = client.CoreV1Api()
 
     def _list(self, selector: str) -> dict[str, str | None]:
-        pods = self._api.list_namespaced_pod(self.namespace, label_selector=selector).items
+        pods = self._api.list_namespaced_pod(self.namespace, label_selector=selector,
+                                             _request_timeout=LIST_TIMEOUT_S).items
         return pod_revisions(pods, self.worker_port)
 
     async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:
         while True:
+            pools = {"prefill": (prefill, self.prefill_selector), "decode": (decode, self.decode_selector)}
             try:
-                p_urls = await asyncio.to_thread(self._list, self.prefill_selector)
-                d_urls = await asyncio.to_thread(self._list, self.decode_selector)
+                found = {role: await asyncio.to_thread(self._list, pools[role][1]) for role in self.roles}
             except Exception as e:  # noqa: BLE001 - the API server may blip; keep the last membership
                 logger.warning("listing pods in %s failed: %s", self.namespace, e)
             else:
-                if set(p_urls) != set(prefill.endpoints) or set(d_urls) != set(decode.endpoints):
-                    logger.info("discovered %d prefill, %d decode endpoints", len(p_urls), len(d_urls))
-                prefill.set_urls(list(p_urls), p_urls)
-                decode.set_urls(list(d_urls), d_urls)
+                if any(set(urls) != set(pools[role][0].endpoints) for role, urls in found.items()):
+                    logger.info("discovered %s", ", ".join(f"{len(u)} {r}" for r, u in found.items()))
+                for role, urls in found.items():
+                    pools[role][0].set_urls(list(urls), urls)
             await asyncio.sleep(self.interval_s)
 
 
@@ -123,6 +128,7 @@ class FileDiscovery:
     interval_s: float = 1.0
     _seen: tuple | None = field(default=None, repr=False)  # (mtime_ns, inode, size) of the last read
     kv_events: dict[str, dict] = field(default_factory=dict)  # url -> where it publishes KV-cache events
+    roles: tuple[str, ...] = ("prefill", "decode")  # the pools it keeps (a decode side's hop: prefill only)
 
     def poll(self, prefill: EndpointPool, decode: EndpointPool) -> bool:
         """Apply the file if it changed since the last poll; True when it did."""
@@ -139,10 +145,11 @@ class FileDiscovery:
             return False
         self._seen = key
         self.kv_events = parse_kv_events(text)
-        if set(urls["prefill"]) != set(prefill.endpoints) or set(urls["decode"]) != set(decode.endpoints):
-            logger.info("endpoints file: prefill=%s decode=%s", urls["prefill"], urls["decode"])
-        prefill.set_urls(urls["prefill"])
-        decode.set_urls(urls["decode"])
+        pools = {"prefill": prefill, "decode": decode}
+        if any(set(urls[role]) != set(pools[role].endpoints) for role in self.roles):
+            logger.info("endpoints file: %s", ", ".join(f"{role}={urls[role]}" for role in self.roles))
+        for role in self.roles:
+            pools[role].set_urls(urls[role])
         return True
 
     async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:

@@ -65,7 +65,7 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
         return _continue_after_first_chunk(state, plan, path, body, outcome.handoff, first_chunk, headers, deadline,
                                            revisions)
     d_body, alone = decode_bodies(body, outcome.handoff)
-    opened = await _open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
+    opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
                                 revisions)
     if isinstance(opened, Reply):
         return opened
@@ -136,7 +136,7 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 
     async def chunks() -> AsyncIterator[bytes]:
         yield first_chunk
-        opened = await _open_decode(state, plan, path, d_body, alone, headers, deadline, True, revisions,
+        opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, True, revisions,
                                     count_first_byte=False)
         if isinstance(opened, Reply):  # no decode worker took it: what it would have said, as an event
             yield as_sse_error(opened)
@@ -147,7 +147,7 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
     return Reply(200, stream=chunks(), headers=headers)
 
 
-async def _open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
+async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
                        alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
                        revisions: set[str | None] | None, count_first_byte: bool = True) -> DecodeStream | Reply:
     """A decode endpoint's stream that has its first byte, or the Reply to give the client (the whole answer

@@ -24,13 +24,15 @@ PREFILL_SKIPPED = "disagg:router_prefill_skipped"
 KV_EVENTS = "disagg:router_kv_events"
 KV_EVENTS_LOST = "disagg:router_kv_events_lost"
 TTFT = "disagg:router_time_to_first_token_seconds"
+REFUSED_PREFILL_TARGETS = "disagg:router_refused_prefill_targets"
 
 
 class RouterMetrics:
     """Per hop (prefill, decode): requests sent, errors (connection failures, 5xx), latency of the hop."""
 
-    def __init__(self, model_name: str = ""):
+    def __init__(self, model_name: str = "", role: str = "router"):
         self.registry = CollectorRegistry()
+        self.role = role  # the `role` label: router, epp (the gateway's endpoint picker), or the decode side's hop
         r = self.registry
         labels = (*LABELS, "hop")
         self.model_name = model_name  # "" until the router learns it from a worker
@@ -61,46 +63,52 @@ class RouterMetrics:
                                             "replayed, undecodable batches).", LABELS, registry=r)
         self.ttft = Histogram(TTFT, "Router-side time to the first streamed byte, from the request's arrival.",
                               LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.refused_targets = Counter(REFUSED_PREFILL_TARGETS, "Prefill endpoints named by a request's "
+                                       "x-prefiller-host-port that are not of this resource's prefill pool (not "
+                                       "contacted; decoded alone).", LABELS, registry=r)
+
+    def refused_prefill_target(self) -> None:
+        self.refused_targets.labels(self.model_name, self.role).inc()
 
     def hop(self, hop: str, latency_s: float, error: bool) -> None:
-        self.hop_requests.labels(self.model_name, "router", hop).inc()
-        self.hop_latency.labels(self.model_name, "router", hop).observe(latency_s)
+        self.hop_requests.labels(self.model_name, self.role, hop).inc()
+        self.hop_latency.labels(self.model_name, self.role, hop).observe(latency_s)
         if error:
-            self.hop_errors.labels(self.model_name, "router", hop).inc()
+            self.hop_errors.labels(self.model_name, self.role, hop).inc()
 
     def timed_out(self, hop: str, stage: str) -> None:
-        self.hop_timeouts.labels(self.model_name, "router", hop, stage).inc()
+        self.hop_timeouts.labels(self.model_name, self.role, hop, stage).inc()
 
     def ejected(self, hop: str) -> None:
-        self.ejections.labels(self.model_name, "router", hop).inc()
+        self.ejections.labels(self.model_name, self.role, hop).inc()
 
     def stream_broken(self, cause: str) -> None:
-        self.broken_streams.labels(self.model_name, "router", cause).inc()
+        self.broken_streams.labels(self.model_name, self.role, cause).inc()
 
     def request(self, outcome: str) -> None:
-        self.requests.labels(self.model_name, "router", outcome).inc()
+        self.requests.labels(self.model_name, self.role, outcome).inc()
 
     def early_first_token(self) -> None:
-        self.early_first_tokens.labels(self.model_name, "router").inc()
+        self.early_first_tokens.labels(self.model_name, self.role).inc()
 
     def fell_back_to_decode_alone(self) -> None:
-        self.decode_alone.labels(self.model_name, "router").inc()
+        self.decode_alone.labels(self.model_name, self.role).inc()
 
     def first_byte(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name, "router").observe(seconds)
+        self.ttft.labels(self.model_name, self.role).observe(seconds)
 
     def prefix_decision(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.prefix_prompt_tokens.labels(self.model_name, "router").inc(prompt_tokens)
-        self.prefix_hit_tokens.labels(self.model_name, "router").inc(hit_tokens)
+        self.prefix_prompt_tokens.labels(self.model_name, self.role).inc(prompt_tokens)
+        self.prefix_hit_tokens.labels(self.model_name, self.role).inc(hit_tokens)
 
     def skipped_prefill(self) -> None:
-        self.prefill_skipped.labels(self.model_name, "router").inc()
+        self.prefill_skipped.labels(self.model_name, self.role).inc()
 
     def kv_events_received(self, n: int) -> None:
-        self.kv_events_total.labels(self.model_name, "router").inc(n)
+        self.kv_events_total.labels(self.model_name, self.role).inc(n)
 
     def kv_events_lost(self, n: int) -> None:
-        self.kv_events_lost_total.labels(self.model_name, "router").inc(n)
+        self.kv_events_lost_total.labels(self.model_name, self.role).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

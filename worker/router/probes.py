@@ -107,7 +107,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
 
 async def _get(state: RouterState, url: str, timeout: float) -> httpx.Response:
     """GET, asked once more on a fresh connection when the pooled one it went out on was dropped before any
-    answer. The router's client expires idle connections before workers close them (cli.KEEPALIVE_EXPIRY_S),
+    answer. The router's client expires idle connections before workers close them (routing.KEEPALIVE_EXPIRY_S),
     but a worker may still close one for its own reasons, and one closed just as the probe reuses it is no
     verdict on the worker - taken as one, a busy worker left the pool until a probe passed,
     which on a starved CPU (probes timing out meanwhile) was a minute with no decode endpoint."""

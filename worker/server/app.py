@@ -17,8 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.generation import Job, complete, observe, stream
+from disagg.worker.router.decode_side import PREFILL_HEADER
+from disagg.worker.server.pd_hop import merged_metrics, prefill_remotely
 from disagg.worker.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, parse_request,
+    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, parse_request, sse,
 )
 from disagg.worker.server.tokenize_routes import add_tokenize_routes
 
@@ -33,6 +35,8 @@ class ServerState:
     role: str  # prefill | decode | both
     draining: bool = False
     kv_events: Any = None  # KVEventsInfo where KV-cache events are published (GET /kv_events), else None
+    pd: Any = None  # the prefill pool this decode worker may call behind a gateway (router.state), else None
+    early_first_token: bool = True  # behind a gateway: stream the prefill's token first (pd_hop.py)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self, request_id: str) -> str:
@@ -64,9 +68,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if loop_.metrics is None:
-            return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(loop_.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        pages = [loop_.metrics.render() if loop_.metrics is not None else b"",
+                 state.pd.metrics.render() if state.pd is not None else b""]
+        return Response(merged_metrics(*pages), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/kv_events")
     async def kv_events() -> Response:
@@ -110,12 +114,28 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _generate(state: ServerState, request: Request, kind: Kind) -> Response:
+    raw = await request.body()
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    first_chunk = None
+    target = request.headers.get(PREFILL_HEADER)
+    if target and state.pd is not None and not state.draining:
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        prepared = await prefill_remotely(state.pd, path, raw, target, request_id, state.early_first_token)
+        if isinstance(prepared, Response):
+            return prepared
+        raw, first_chunk = prepared
     try:
-        job = await _admit(state, request, kind)
+        job = await _admit(state, raw, request_id, kind)
     except APIError as e:
         if e.status >= 500:
             logger.warning("rejected a request: %s", e.message)
+        if first_chunk is not None:  # the 200 and the first token are on their way: end it with the error
+            return StreamingResponse(iter([first_chunk, sse(e.body()), sse("[DONE]")]),
+                                     media_type="text/event-stream", headers={"X-Request-Id": request_id})
         return error_response(e)
+    if first_chunk is not None:
+        return StreamingResponse(_after_first_chunk(state, job, first_chunk), media_type="text/event-stream",
+                                 headers={"X-Request-Id": job.request_id})
     if job.stream:
         # a request that fails before its first token (e.g. its remote KV did not load under policy fail) gets
         # an error status, not a 200 stream carrying only an error event: wait for the first output first
@@ -128,7 +148,15 @@ async def _generate(state: ServerState, request: Request, kind: Kind) -> Respons
     return await complete(state.engine_loop, request, job)
 
 
-async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
+async def _after_first_chunk(state: ServerState, job: Job, first_chunk: bytes) -> Any:
+    """The prefill's token at once, then what this engine generates after it (a failure as an SSE event)."""
+    yield first_chunk
+    first = await job.sink.get()
+    async for chunk in stream(state.engine_loop, job, first):
+        yield chunk
+
+
+async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind) -> Job:
     """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body."""
     loop_ = state.engine_loop
     if state.draining:
@@ -137,11 +165,10 @@ async def _admit(state: ServerState, request: Request, kind: Kind) -> Job:
         raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
     engine = loop_.engine
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    req = parse_request(await request.body(), engine.served_model_name, model_cls)
+    req = parse_request(raw, engine.served_model_name, model_cls)
     handoff = check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
     prompt_ids = _prompt_token_ids(engine, req)
     sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     engine_id = state.next_engine_id(request_id)
     try:
         sink = await loop_.add(prompt_ids, sp, engine_id, handoff)

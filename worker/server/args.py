@@ -50,6 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
                    help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB port + 1)")
     e.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
+    h = p.add_argument_group("P/D behind a gateway: the decode side's prefill hop (x-prefiller-host-port, set by "
+                             "`disagg epp`) goes only to a prefill endpoint these name (default: none is taken)")
+    h.add_argument("--pd-discovery", choices=["none", "static", "file", "kubernetes"], default="none")
+    h.add_argument("--pd-prefill", nargs="*", default=[], metavar="URL", help="static: the prefill workers")
+    h.add_argument("--pd-endpoints-file", metavar="PATH", help="file: the router's endpoints file (its prefill list)")
+    h.add_argument("--pd-namespace", default="default", help="kubernetes: the prefill pods' namespace")
+    h.add_argument("--pd-prefill-selector", help="kubernetes: the prefill pods' label selector")
+    h.add_argument("--pd-worker-port", type=int, default=8000, help="kubernetes: the prefill pods' HTTP port")
+    h.add_argument("--pd-probe-interval", type=float, default=1.0, help="seconds between the prefill probes")
+    h.add_argument("--no-early-first-token", dest="early_first_token", action="store_false",
+                   help="stream a gateway request's first token from this engine, not from the prefill's answer")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for running requests after SIGTERM")
     p.add_argument("--log-level", default="INFO")

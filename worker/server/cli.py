@@ -45,6 +45,19 @@ def kv_events_publisher(args: argparse.Namespace) -> Any:
     return ZmqEventPublisher(args.kv_events_endpoint, replay, args.block_size, topic=args.kv_events_topic)
 
 
+def prefill_hop_routing(args: argparse.Namespace) -> Any:
+    """The prefill pool behind a gateway (--pd-*), or None: the decode side's hop is off."""
+    if args.pd_discovery == "none":
+        return None
+    if args.role == "prefill":
+        raise ValueError("--pd-discovery is for a decode (or both) worker: a prefill worker runs no prefill hop")
+    from disagg.worker.router.routing import prefill_routing
+
+    return prefill_routing(args.pd_discovery, args.pd_prefill, endpoints_file=args.pd_endpoints_file,
+                           namespace=args.pd_namespace, selector=args.pd_prefill_selector,
+                           worker_port=args.pd_worker_port, probe_interval_s=args.pd_probe_interval)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from disagg.worker.model.tiny import default_model_dir
@@ -52,18 +65,19 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_dir())
     try:
         config = engine_config(args, model)
+        pd = prefill_hop_routing(args)
         publisher = kv_events_publisher(args)
     except ValueError as e:
         logger.error("%s", e)
         return 2
     try:
-        return _serve(args, config, publisher)
+        return _serve(args, config, publisher, pd)
     finally:
         if publisher is not None:  # after the engine stopped: its last changes are sent
             publisher.close()
 
 
-def _serve(args: argparse.Namespace, config: Any, publisher: Any) -> int:
+def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
     from disagg.worker.server.metrics import worker_metrics
     from disagg.worker.server.app import ServerState, build_app
@@ -72,14 +86,15 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any) -> int:
     lease = float(config.kv_transfer_config.kv_connector_extra_config.get("lease_seconds", DEFAULT_LEASE_SECONDS))
     engine_loop = EngineLoop(lambda: LLMEngine(config), lambda engine: worker_metrics(engine, args.role),
                              publish_kv_events=publisher.publish if publisher is not None else None)
-    state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None)
+    state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None,
+                        pd=pd.state if pd is not None else None, early_first_token=args.early_first_token)
     app = build_app(state)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                        timeout_graceful_shutdown=args.drain_timeout, access_log=False),
         state,
     )
-    app.router.lifespan_context = _lifespan(server, engine_loop, lease)
+    app.router.lifespan_context = _lifespan(server, engine_loop, lease, pd)
     server.run()
     if engine_loop.load_error:
         logger.error("%s", engine_loop.load_error)
@@ -104,12 +119,13 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _lifespan(server: Any, engine_loop: Any, lease_s: float) -> Any:
+def _lifespan(server: Any, engine_loop: Any, lease_s: float, pd: Any) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:
         engine_loop.start(asyncio.get_running_loop())
         watcher = asyncio.ensure_future(_exit_if_load_fails(server, engine_loop))
-        yield
+        async with (pd.running() if pd is not None else contextlib.nullcontext()):
+            yield
         watcher.cancel()
         # HTTP is drained (uvicorn waited for open responses); KV blocks may still wait for remote readers
         deadline = time.monotonic() + lease_s

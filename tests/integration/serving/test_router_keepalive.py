@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 
 from disagg.worker.ports import free_port
-from disagg.worker.router.cli import worker_client
+from disagg.worker.router.routing import worker_client
 
 
 def test_an_idle_connection_is_dropped_by_the_router_before_the_worker_would_close_it():

@@ -1,0 +1,97 @@
+"""The endpoint picker's decision: the router's routing core (pools, policy, prefix facts, revision pairing,
+ejection; router/state.py) asked where one request goes, answered in the endpoint-picker protocol's terms.
+
+    decode   the policy's first choice among ready decode endpoints (inside the gateway's subset hint, if any);
+             none ready: wait up to the connect bound for one that is starting, else 503
+    prefill  for P/D: the policy's choice among prefill endpoints of the decode's serving revision, which the
+             decode side calls itself (x-prefiller-host-port); none when the policy skips the prefill hop (the
+             decode holds the prompt's KV), for prompt logprobs, or when no prefill endpoint is ready
+
+Requests in flight are counted per endpoint from the pick until the gateway closes the request's stream (the
+request ended), as the router counts its own; the workers' /metrics (probes) add what other pickers sent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from disagg.worker.gateway.ext_proc import Pick, PickRequest
+from disagg.worker.router.endpoints import Endpoint
+from disagg.worker.router.hop_bodies import needs_prompt_logits
+from disagg.worker.router.policy import RoutePlan
+from disagg.worker.router.probes import await_ready
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.timeouts import Deadline
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETRY_AFTER_S = 1  # what a refused request is told to wait
+
+
+def host_port(url: str) -> str:
+    """An endpoint's base URL as the gateway addresses it: "ip:port"."""
+    parts = urlsplit(url)
+    return parts.netloc
+
+
+class RoutingPicker:
+    def __init__(self, state: RouterState):
+        self.state = state
+        self._routed: dict[int, list[Endpoint]] = {}  # id(pick) -> the endpoints it counts in flight at
+
+    async def pick(self, request: PickRequest) -> Pick:
+        state = self.state
+        started = time.monotonic()
+        body = _json_object(request.body)
+        path = request.path.split("?", 1)[0]
+        generation = path in GENERATION_PATHS and body is not None
+        plan = await state.plan(body, path) if generation else RoutePlan()
+        decode = await self._decode(plan, request.subset)
+        if decode is None:
+            state.metrics.request("unavailable")
+            where = f" of the gateway's subset {list(request.subset)}" if request.subset is not None else ""
+            return Pick(status=503, retry_after_s=RETRY_AFTER_S, message=f"no decode endpoint{where} is ready "
+                        f"({len(state.decode.endpoints)} known)")
+        prefill = None
+        if generation and state.prefill.endpoints and not plan.skip_prefill and not needs_prompt_logits(body):
+            prefill = state.prefill.pick(revisions={decode.revision}, costs=plan.prefill_costs)
+            if prefill is None:
+                state.metrics.fell_back_to_decode_alone()
+        elif plan.skip_prefill and state.prefill.endpoints:
+            state.metrics.skipped_prefill()
+        pick = Pick(decode=host_port(decode.url), prefill=host_port(prefill.url) if prefill else None)
+        routed = [e for e in (decode, prefill) if e is not None]
+        for e in routed:
+            e.outstanding += 1
+        self._routed[id(pick)] = routed
+        state.metrics.request("ok")
+        state.metrics.hop("pick", time.monotonic() - started, error=False)
+        return pick
+
+    def done(self, pick: Pick) -> None:
+        for e in self._routed.pop(id(pick), ()):
+            e.outstanding -= 1
+
+    async def _decode(self, plan: RoutePlan, subset: tuple[str, ...] | None) -> Endpoint | None:
+        """The policy's pick inside the subset; with none ready, one that becomes ready within the connect
+        bound (a pod starting)."""
+        state = self.state
+        outside = set() if subset is None else \
+            {e.url for e in state.decode.endpoints.values() if host_port(e.url) not in subset}
+        decode = state.pick_decode(plan, outside, None)
+        if decode is None and await await_ready(state, state.decode, Deadline(state.timeouts)):
+            decode = state.pick_decode(plan, outside, None)
+        return decode
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The request body when it is a JSON object; else None (the worker answers the bad request itself)."""
+    try:
+        doc = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None

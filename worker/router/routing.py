@@ -1,0 +1,222 @@
+"""The routing core, assembled once for each program that routes: the router (`disagg router`), the gateway's
+endpoint picker (`disagg epp`) and the decode side's prefill hop (`disagg worker`, `disagg pd-proxy`).
+
+Each gets the same parts from the same flags: the two pools (endpoints.py) from a discovery (static URLs, a file
+another process rewrites, or Kubernetes pods), the probes that keep them current (probes.py), the routing policy
+(policies.py) and, for a policy that reads prefixes, the KV-event subscriptions and tokenizer (prefix_router.py).
+`running()` starts the background tasks (probes, discovery, KV events) with one HTTP client and stops them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
+from disagg.worker.router.metrics import RouterMetrics
+from disagg.worker.router.outliers import OutlierPolicy
+from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicySettings, make_policy
+from disagg.worker.router.policy import RoutingPolicy
+from disagg.worker.router.prefix_policy import PrefixPolicyConfig
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.timeouts import HopTimeouts
+
+logger = logging.getLogger(__name__)
+
+# Workers' HTTP servers (uvicorn, ours and vLLM's) close a connection left idle for 5 s. A request written to a
+# pooled connection just as the worker closes it is reset unanswered - httpx's default keep-alive expiry is also
+# 5 s, and a CI run's decode hop failed that way (ReadError; with no other decode left, the client got a 503).
+# The router drops idle connections well before any worker would (uvicorn's timeout_keep_alive default, which
+# vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE keeps).
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that drains at SIGTERM/SIGINT (a second SIGINT forces it) and then exits 0 (plain uvicorn re-raises
+    the signal); `draining` is set from the first signal on."""
+    draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("received %s: draining", signal.Signals(sig).name)
+        self.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def worker_client() -> httpx.AsyncClient:
+    """One client for every hop, probe and scrape."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(limits=limits)
+
+
+def add_discovery_arguments(p: argparse.ArgumentParser | Any) -> None:
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker base URLs")
+    p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode worker base URLs")
+    p.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static")
+    p.add_argument("--endpoints-file", metavar="PATH", help='file discovery: JSON {"prefill": [urls], "decode": '
+                   '[urls]}, re-read when it changes (checked every --probe-interval); replace it atomically')
+    p.add_argument("--namespace", default="default", help="kubernetes discovery: the pods' namespace")
+    p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
+    p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
+    p.add_argument("--worker-port", type=int, default=8000, help="kubernetes discovery: the workers' HTTP port")
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """Discovery, policy, probes, bounds and outlier detection: the flags every routing program shares."""
+    add_discovery_arguments(p)
+    p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                   help="prefix-aware: by the workers' KV-cache events (their --kv-events-endpoint), the endpoint "
+                   "holding the longest prefix of the prompt, weighed against load")
+    x = p.add_argument_group("prefix-aware policy")
+    x.add_argument("--tokenizer", metavar="DIR", help="the served model's tokenizer directory (default: fetched "
+                   "from a worker's GET /tokenizer)")
+    x.add_argument("--kv-events-port", type=int, help="where workers that serve no GET /kv_events (vLLM) publish "
+                   "KV-cache events: this port at each endpoint URL's host (the endpoints file's \"kv_events\" "
+                   "entries come first)")
+    x.add_argument("--kv-events-replay-port", type=int, help="their replay socket's port")
+    x.add_argument("--kv-events-topic", default="", help="their events' topic frame")
+    x.add_argument("--prefix-load-cost-tokens", type=float, default=PrefixPolicyConfig.load_cost_tokens,
+                   help="one request in flight at an endpoint weighs as much as this many prompt tokens it would "
+                   "have to compute")
+    x.add_argument("--prefix-skip-prefill-blocks", type=int,
+                   default=PrefixPolicyConfig.skip_prefill_max_missing_blocks, help="send to decode alone when the "
+                   "chosen decode endpoint misses at most this many full blocks of the prompt (0: only all)")
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
+    # bounds (router/timeouts.py): a hop past one fails over, or the client gets a 504 (README: Reliability)
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (and to wait "
+                   "for a starting one when none is ready)")
+    p.add_argument("--first-byte-timeout", type=float, default=120.0,
+                   help="seconds from sending a hop to its first byte (the prefill's answer, a decode stream's "
+                        "first chunk); a hung worker is left for another one after this")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds a decode stream may be silent between chunks")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per client request, all hops together (bounds a non-streamed decode too)")
+    p.add_argument("--unresponsive-after", type=float, default=UNRESPONSIVE_AFTER_S,
+                   help="seconds of readiness probes timing out in a row after which a worker counts as hung: "
+                        "it is taken out and the waits on it that streamed nothing yet fail over (0: never; the "
+                        "bounds above still hold)")
+    # outlier detection (router/outliers.py)
+    p.add_argument("--eject-after-failures", type=int, default=2,
+                   help="failed hops in a row that eject a worker endpoint (a timed-out hop ejects at once)")
+    p.add_argument("--ejection-seconds", type=float, default=5.0,
+                   help="first ejection's length; each further one in a row doubles it")
+    p.add_argument("--max-ejection-seconds", type=float, default=300.0)
+
+
+def routing_policy(args: argparse.Namespace) -> RoutingPolicy:
+    """The --policy, with its tunables from the flags (ValueError naming a bad one)."""
+    prefix = functools.partial(PrefixPolicyConfig, load_cost_tokens=args.prefix_load_cost_tokens,
+                               skip_prefill_max_missing_blocks=args.prefix_skip_prefill_blocks)
+    return make_policy(args.policy, PolicySettings(prefix=prefix))
+
+
+@dataclass
+class Routing:
+    """What a routing program runs: the state its hops and picks read, and where its membership comes from."""
+    state: RouterState
+    discovery: Any  # FileDiscovery | KubernetesDiscovery | None (static URLs)
+    args: argparse.Namespace
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[RouterState]:
+        """The probes, the discovery and the KV-event subscriptions run while inside; one client for all."""
+        from disagg.worker.router.discovery import FileDiscovery
+        from disagg.worker.router.probes import probe_forever
+
+        state, args, discovery = self.state, self.args, self.discovery
+        async with worker_client() as client:
+            state.client = client
+            tasks = [asyncio.ensure_future(probe_forever(state))]
+            if discovery is not None:
+                tasks.append(asyncio.ensure_future(discovery.run(state.prefill, state.decode)))
+            if state.prefix is not None:
+                from disagg.worker.kv_events.subscriber import EventsDirectory
+                from disagg.worker.router.prefix_router import maintain_forever
+
+                announced = (lambda url: discovery.kv_events.get(url)) \
+                    if isinstance(discovery, FileDiscovery) else None
+                directory = EventsDirectory(args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic,
+                                            announced)
+                tasks.append(asyncio.ensure_future(maintain_forever(
+                    state.prefix, [state.prefill, state.decode], client, args.probe_interval, directory)))
+            try:
+                yield state
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str | None = None,
+                    namespace: str = "default", selector: str | None = None, worker_port: int = 8000,
+                    probe_interval_s: float = 1.0, decode_url: str | None = None, metrics_role: str = "decode",
+                    bounds: list[str] = ()) -> Routing:
+    """A decode side's routing (our worker's, pd-proxy's): the prefill pool it may call, from its discovery, and
+    `decode_url` (the engine behind it, if it reaches it over HTTP) as the decode pool."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_routing_arguments(p)
+    args = p.parse_args(["--discovery", discovery, "--probe-interval", str(probe_interval_s),
+                         "--namespace", namespace, "--worker-port", str(worker_port), *bounds])
+    args.prefill, args.decode = list(prefill), [decode_url] if decode_url else []
+    args.endpoints_file, args.prefill_selector = endpoints_file, selector
+    return build_routing(args, metrics_role=metrics_role, need_decode=False)
+
+
+def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_decode: bool = True,
+                  early_first_token: bool = True) -> Routing:
+    """The pools, policy, bounds and discovery the flags describe; ValueError naming what is wrong.
+    need_decode False: a decode side's hop - discovery keeps only the prefill pool (the decode pool is the
+    engine behind it, given as --decode)."""
+    from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
+
+    timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
+    ejection = OutlierPolicy(args.eject_after_failures, args.ejection_seconds, args.max_ejection_seconds)
+    problems = timeouts.problems() + ejection.problems()
+    if args.unresponsive_after < 0:
+        problems.append(f"--unresponsive-after must be >= 0 seconds, got {args.unresponsive_after}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    discovery: Any = None
+    if args.discovery == "kubernetes":
+        if not args.prefill_selector or (need_decode and not args.decode_selector):
+            raise ValueError("--discovery kubernetes needs --prefill-selector" +
+                             (" and --decode-selector" if need_decode else ""))
+        discovery = KubernetesDiscovery(args.namespace, args.prefill_selector, args.decode_selector,
+                                        args.worker_port)
+    elif args.discovery == "file":
+        if not args.endpoints_file:
+            raise ValueError("--discovery file needs --endpoints-file")
+        discovery = FileDiscovery(args.endpoints_file, args.probe_interval)
+    if discovery is not None and not need_decode:
+        discovery.roles = ("prefill",)  # the decode pool is this process's own engine
+    elif need_decode and not args.decode:
+        raise ValueError("give at least one --decode URL (or --discovery file or kubernetes)")
+    metrics = RouterMetrics(role=metrics_role)
+    policy = routing_policy(args)
+    prefix = None
+    if policy.reads_prefixes:
+        from disagg.worker.model.tokenizer import Tokenizer
+        from disagg.worker.router.prefix_router import PrefixRouter
+
+        prefix = PrefixRouter(policy, metrics, Tokenizer(args.tokenizer) if args.tokenizer else None)
+    prefill, decode = (EndpointPool(role, policy, outlier_policy=ejection, unresponsive_after_s=args.unresponsive_after)
+                       for role in ("prefill", "decode"))
+    prefill.set_urls(args.prefill)
+    decode.set_urls(args.decode)
+    if isinstance(discovery, FileDiscovery):
+        discovery.poll(prefill, decode)  # the first membership before serving
+    state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
+                        prefix=prefix, early_first_token=early_first_token)
+    return Routing(state, discovery, args)

@@ -1,0 +1,52 @@
+"""The decode worker's own prefill hop, behind a gateway: the endpoint picker sent the request here and named the
+prefill endpoint (x-prefiller-host-port). Before the request is admitted, the router's prefill hop runs from here
+(router/decode_side.py: only to a prefill endpoint of this resource's pool; another of the pool when that one
+fails); the request then goes to this engine with the hand-off, as if a router had sent it. A streamed request
+whose first token the prefill's answer can stand for gets it at once (the router's early first token), and this
+engine continues after it.
+
+Decode alone (no KV moved) when the header names no prefill endpoint of the pool, none gave KV, or the request
+needs the prompt's logits; a prefill that rejects the request (4xx) answers the client itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi.responses import Response
+
+from disagg.worker.router.decode_side import prefill_for
+from disagg.worker.router.hop_bodies import HANDOFF_FIELD, check_max_tokens, early_first_chunk, needs_prompt_logits
+from disagg.worker.router.replies import Reply
+from disagg.worker.router.state import RouterState
+
+logger = logging.getLogger(__name__)
+
+
+async def prefill_remotely(pd: RouterState, path: str, raw: bytes, target: str, request_id: str,
+                           early_first_token: bool) -> tuple[bytes, bytes | None] | Response:
+    """(the body to admit - with the prefill's hand-off when one came -, the client's first SSE chunk or None),
+    or the prefill's own rejection of the request."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw, None  # admission answers the malformed body
+    if not isinstance(body, dict) or body.get(HANDOFF_FIELD) is not None or check_max_tokens(body) \
+            or needs_prompt_logits(body):
+        return raw, None  # admission answers it (a hand-off given is checked as any other)
+    outcome = await prefill_for(pd, target, path, body, {"X-Request-Id": request_id})
+    if isinstance(outcome, Reply):
+        return Response(outcome.content, status_code=outcome.status, media_type="application/json")
+    if outcome.handoff is None:
+        return raw, None
+    first = early_first_chunk(body, path, outcome.answer, outcome.handoff) if early_first_token else None
+    handoff = outcome.handoff.delivering(outcome.handoff.output_token_ids) if first is not None else outcome.handoff
+    if first is not None:
+        pd.metrics.early_first_token()
+    return json.dumps({**body, HANDOFF_FIELD: handoff.to_wire()}).encode(), first
+
+
+def merged_metrics(*pages: Any) -> bytes:
+    """The worker's metrics page and its prefill hop's (distinct metric names: one exposition)."""
+    return b"".join(p for p in pages if p)
