@@ -251,6 +251,67 @@ class RouterSpec(PodPlacement):
     extra_args: list[str] = Field(default_factory=list)
 
 
+# ---------------------------------------------------------------- gateway (Gateway API Inference Extension)
+FailureMode = Literal["FailOpen", "FailClose"]
+
+
+class EndpointPickerSpec(_Model):
+    """The endpoint picker (`disagg epp`): the router's policy, timeouts, outlier detection and prefix-aware
+    weights (spec.router) picking for the gateway."""
+    replicas: int = Field(1, ge=0, le=100)
+    resources: Resources = Field(default_factory=Resources)
+    extra_args: list[str] = Field(default_factory=list, description="Appended to `disagg epp`'s command line.")
+
+
+class HTTPRouteSpec(_Model):
+    """An HTTPRoute (gateway.networking.k8s.io/v1) from your Gateway to this resource's InferencePool."""
+    gateway_name: str = Field(min_length=1, max_length=253, description="The Gateway the route attaches to.")
+    gateway_namespace: str | None = Field(None, min_length=1, max_length=63, description="Its namespace; "
+                                          "default this resource's (another one must allow the route).")
+    section_name: str | None = Field(None, min_length=1, max_length=253,
+                                     description="A listener of that Gateway; default all of them.")
+    hostnames: list[Annotated[str, StringConstraints(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Host names the route matches; default any.")
+    path_prefix: str = Field("/", min_length=1, max_length=1024, pattern=r"^/",
+                             description="Requests under this path go to the pool.")
+
+
+class GatewaySpec(_Model):
+    """Serve behind a Gateway API inference gateway (Envoy, kgateway, Istio, GKE Gateway): an InferencePool of
+    the decode pods, our endpoint picker and, with httpRoute, a route from your Gateway. The router stays."""
+    enabled: bool = Field(False, description="Render the InferencePool, the endpoint picker and the decode "
+                          "pods' prefill hop (decode pods then list pods: a ServiceAccount of their own).")
+    failure_mode: FailureMode = Field("FailClose", description="When the gateway cannot reach the picker: "
+                                      "FailClose answers 503, FailOpen sends to any pool pod (decode alone).")
+    endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
+    http_route: HTTPRouteSpec | None = Field(None, description="Attach the pool to your Gateway.")
+
+
+# ---------------------------------------------------------------- security
+class SecretKeySelector(_Model):
+    name: str = Field(min_length=1, max_length=253, description="A Secret in this resource's namespace.")
+    key: str = Field("key", min_length=1, max_length=253)
+
+
+class NetworkPolicySpec(_Model):
+    """Ingress NetworkPolicies for this resource's pods: workers reachable only from its router, endpoint picker
+    and its own workers (plus gatewayFrom and metricsFrom), the router from anywhere."""
+    enabled: bool = True
+    gateway_from: list[_FreeForm] | None = Field(
+        None, description="NetworkPolicyPeers where your gateway's proxies run: they may reach the decode pods "
+        "and the endpoint picker. Unset: any pod of any namespace; [] nobody.")
+    metrics_from: list[_FreeForm] | None = Field(
+        None, description="NetworkPolicyPeers that scrape the workers' /metrics (the operator's autoscaler, "
+        "Prometheus). Unset: pods labelled app.kubernetes.io/name=disagg-operator in any namespace.")
+
+
+class SecuritySpec(_Model):
+    handoff_key_secret: SecretKeySelector | None = Field(
+        None, description="Your Secret holding the key that signs P/D hand-offs (base64 of >= 16 random bytes). "
+        "Unset: the operator creates <name>-handoff once and never rewrites it.")
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+
+
 # ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)
 class ReplicaBounds(_Model):
     min_replicas: int = Field(1, ge=0, le=1000)
@@ -366,11 +427,14 @@ class DisaggregatedInferenceSpec(_Model):
     decode: RoleSpec = Field(default_factory=RoleSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
 
 
 # ---------------------------------------------------------------- status
 # conditions the reconcile pass owns, and those the autoscaler owns
-ReconcileCondition = Literal["Ready", "Progressing", "Degraded"]
+# InferencePoolReady (gateway on): the parents' Accepted and ResolvedRefs, as the user's gateway controller wrote them
+ReconcileCondition = Literal["Ready", "Progressing", "Degraded", "InferencePoolReady"]
 AutoscalingCondition = Literal["ScalingActive", "ScalingLimited", "TransferBound"]
 RECONCILE_CONDITIONS: tuple[str, ...] = get_args(ReconcileCondition)
 AUTOSCALING_CONDITIONS: tuple[str, ...] = get_args(AutoscalingCondition)
@@ -430,6 +494,7 @@ class DisaggregatedInferenceStatus(_Model):
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     router: RoleStatus | None = None
+    endpoint_picker: RoleStatus | None = None  # spec.gateway.enabled
     conditions: list[Condition] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
 
