@@ -208,3 +208,13 @@ def test_possible_children_cover_every_optional_child():
     possible = {(k, n) for _, k, n in m.possible_children(OWNER, spec_with("disagg"))}
     assert set(children(everything)) <= possible
     assert g.INFERENCE_POOL_API == "inference.networking.k8s.io/v1"
+
+
+def test_the_gateway_example_routes_the_named_gateway_to_a_pool_gie_accepts():
+    doc = yaml.safe_load((ROOT / "examples" / "llama3-8b-gateway.yaml").read_text())
+    owner = m.Owner(name=doc["metadata"]["name"], namespace="serving", uid="u")
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in m.desired_children(owner, s.parse_spec(doc["spec"]))}
+    pool_validator().validate(kids[("InferencePool", "llama3-8b-gw")])
+    route = kids[("HTTPRoute", "llama3-8b-gw")]
+    assert route["spec"]["parentRefs"][0]["name"] == doc["spec"]["gateway"]["httpRoute"]["gatewayName"]
+    assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "llama3-8b-gw"
