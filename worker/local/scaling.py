@@ -93,7 +93,8 @@ class WorkerSet:
         key = (tuple(urls["prefill"]), tuple(urls["decode"]))
         if key != self._written:
             events = {p.spec.url: p.spec.kv_events for role in ROLES for p in self.active(role) if p.spec.kv_events}
-            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events)
+            names = {p.spec.url: p.spec.name for role in ROLES for p in self.active(role)}
+            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events, names)
             self._written = key
 
     # ---------------------------------------------------------------- supervision
