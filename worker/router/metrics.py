@@ -36,7 +36,8 @@ KV_PENDING_LOADS = "disagg:router_kv_pending_loads"
 KV_OLDEST_SEND_AGE = "disagg:router_kv_oldest_pending_send_seconds"
 KV_OLDEST_LOAD_AGE = "disagg:router_kv_oldest_pending_load_seconds"
 HANDOFF_TO_FIRST_TOKEN = "disagg:router_handoff_to_first_token_seconds"
-ENDPOINT_LABELS = ("endpoint", "endpoint_pod")
+ENDPOINT_POD_LABEL = "endpoint_pod"
+ENDPOINT_LABELS = ("endpoint", ENDPOINT_POD_LABEL)
 
 
 class RouterMetrics:
