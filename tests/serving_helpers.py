@@ -12,9 +12,15 @@ def nixl_available() -> bool:
     return importlib.util.find_spec("nixl") is not None
 
 
-def metric(url: str, name: str) -> float:
-    """The first sample of a labelled metric `name` on `url`/metrics."""
+_ABSENT = object()
+
+
+def metric(url: str, name: str, default: float | object = _ABSENT) -> float:
+    """The first sample of a labelled metric `name` on `url`/metrics; `default` when it has none (a labelled
+    counter shows once it was counted), else that fails the test."""
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
+    if default is not _ABSENT:
+        return float(default)
     raise AssertionError(f"{name} not in {url}/metrics")

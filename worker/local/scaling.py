@@ -93,7 +93,8 @@ class WorkerSet:
         key = (tuple(urls["prefill"]), tuple(urls["decode"]))
         if key != self._written:
             events = {p.spec.url: p.spec.kv_events for role in ROLES for p in self.active(role) if p.spec.kv_events}
-            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events)
+            names = {p.spec.url: p.spec.name for role in ROLES for p in self.active(role)}
+            write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events, names)
             self._written = key
 
     # ---------------------------------------------------------------- supervision
@@ -146,7 +147,8 @@ class LocalAutoscaler:
                  clock: Callable[[], float] = time.time,
                  scrape: Callable[[list[LocalProcess]], list[PodSample]] | None = None):
         self.spec = autoscaling  # spec.autoscaling
-        self.scrape = scrape or (lambda procs: scrape_all(procs, autoscaling.metrics_source.timeout_seconds, clock))
+        self.scrape = scrape or (lambda procs: scrape_all(procs, autoscaling.metrics_source.timeout_seconds, clock,
+                                                          workers.router_url))
         self.policy = policy_from_spec(autoscaling)
         self.workers = workers
         self.say = say
@@ -181,5 +183,10 @@ class LocalAutoscaler:
                 "lastDecision": self.last_decision, "events": self.events}
 
 
-def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float]) -> list[PodSample]:
-    return scrape_pods([(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs], timeout, clock)
+def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float],
+               router_url: str | None = None) -> list[PodSample]:
+    """The workers' pages, and the router's (its per-endpoint view of pending KV hand-offs, read for any engine)."""
+    targets = [(f"{p.spec.url}/metrics", p.spec.name, p.spec.role) for p in procs]
+    if router_url:
+        targets.append((f"{router_url}/metrics", "router", "router"))
+    return scrape_pods(targets, timeout, clock)

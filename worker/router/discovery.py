@@ -22,12 +22,18 @@ def pod_urls(pods: list, port: int) -> list[str]:
 
 def pod_revisions(pods: list, port: int) -> dict[str, str | None]:
     """url -> serving revision label of each running, non-terminating pod with an IP."""
-    out: dict[str, str | None] = {}
+    return {url: revision for url, (revision, _) in pod_members(pods, port).items()}
+
+
+def pod_members(pods: list, port: int) -> dict[str, tuple[str | None, str]]:
+    """url -> (serving revision label, pod name) of each running, non-terminating pod with an IP."""
+    out: dict[str, tuple[str | None, str]] = {}
     for pod in pods:
         status, meta = pod.status, pod.metadata
         if meta.deletion_timestamp is not None or status is None or status.phase != "Running" or not status.pod_ip:
             continue
-        out[f"http://{status.pod_ip}:{port}"] = (getattr(meta, "labels", None) or {}).get(REVISION_LABEL)
+        out[f"http://{status.pod_ip}:{port}"] = ((getattr(meta, "labels", None) or {}).get(REVISION_LABEL),
+                                                 getattr(meta, "name", None) or status.pod_ip)
     return out
 
 
@@ -54,10 +60,10 @@ class KubernetesDiscovery:
             config.load_kube_config()
         self._api = client.CoreV1Api()
 
-    def _list(self, selector: str) -> dict[str, str | None]:
+    def _list(self, selector: str) -> dict[str, tuple[str | None, str]]:
         pods = self._api.list_namespaced_pod(self.namespace, label_selector=selector,
                                              _request_timeout=LIST_TIMEOUT_S).items
-        return pod_revisions(pods, self.worker_port)
+        return pod_members(pods, self.worker_port)
 
     async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:
         while True:
@@ -69,8 +75,9 @@ class KubernetesDiscovery:
             else:
                 if any(set(urls) != set(pools[role][0].endpoints) for role, urls in found.items()):
                     logger.info("discovered %s", ", ".join(f"{len(u)} {r}" for r, u in found.items()))
-                for role, urls in found.items():
-                    pools[role][0].set_urls(list(urls), urls)
+                for role, members in found.items():
+                    pools[role][0].set_urls(list(members), {u: r for u, (r, _) in members.items()},
+                                            {u: n for u, (_, n) in members.items()})
             await asyncio.sleep(self.interval_s)
 
 
@@ -107,14 +114,27 @@ def parse_kv_events(text: str) -> dict[str, dict]:
             if isinstance(info, dict) and isinstance(info.get("endpoint"), str)}
 
 
+def parse_names(text: str) -> dict[str, str]:
+    """The file's optional "names": {url: name} (string values only)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    names = doc.get("names") if isinstance(doc, dict) else None
+    return {u: n for u, n in names.items() if isinstance(n, str)} if isinstance(names, dict) else {}
+
+
 def write_endpoints(path: str | Path, prefill: list[str], decode: list[str],
-                    kv_events: dict[str, dict] | None = None) -> None:
-    """Replace the file atomically (a reader never sees half of it)."""
+                    kv_events: dict[str, dict] | None = None, names: dict[str, str] | None = None) -> None:
+    """Replace the file atomically (a reader never sees half of it). names: url -> a name for per-endpoint
+    metrics (`disagg up`'s process names)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     doc: dict = {"prefill": prefill, "decode": decode}
     if kv_events:
         doc["kv_events"] = kv_events
+    if names:
+        doc["names"] = names
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
 
@@ -145,11 +165,12 @@ class FileDiscovery:
             return False
         self._seen = key
         self.kv_events = parse_kv_events(text)
+        names = parse_names(text)
         pools = {"prefill": prefill, "decode": decode}
         if any(set(urls[role]) != set(pools[role].endpoints) for role in self.roles):
             logger.info("endpoints file: %s", ", ".join(f"{role}={urls[role]}" for role in self.roles))
         for role in self.roles:
-            pools[role].set_urls(urls[role])
+            pools[role].set_urls(urls[role], names=names)
         return True
 
     async def run(self, prefill: EndpointPool, decode: EndpointPool) -> None:

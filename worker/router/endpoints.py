@@ -28,6 +28,7 @@ class Endpoint:
     ready: bool = False  # last readiness probe answered 200
     outstanding: int = 0  # requests this router has in flight there
     revision: str | None = None  # serving revision (pod label); prefill and decode are paired by it
+    name: str | None = None  # its pod's name (discovery), for per-endpoint metrics; None: host:port
     ready_path: str | None = None  # /ready, or /health for a worker without /ready (vLLM); None: not known yet
     reported_load: float = 0.0  # running + waiting requests by its last /metrics (every router's requests)
     kv_usage: float = 0.0  # KV cache usage, 0..1, by its last /metrics
@@ -100,14 +101,17 @@ class EndpointPool:
         if isinstance(self.policy, str):
             self.policy = make_policy(self.policy)
 
-    def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None) -> None:
+    def set_urls(self, urls: list[str], revisions: dict[str, str | None] | None = None,
+                 names: dict[str, str] | None = None) -> None:
         """Replace the membership (discovery); known endpoints keep their state.
-        revisions: url -> serving revision, when discovery knows it."""
+        revisions: url -> serving revision, and names: url -> pod name, when discovery knows them."""
         revisions = {u.rstrip("/"): r for u, r in (revisions or {}).items()}
+        names = {u.rstrip("/"): n for u, n in (names or {}).items()}
         urls = [u.rstrip("/") for u in urls]
         self.endpoints = {u: self.endpoints.get(u) or Endpoint(u) for u in urls}
         for url, endpoint in self.endpoints.items():
             endpoint.revision = revisions.get(url)
+            endpoint.name = names.get(url)
             endpoint.unresponsive_after_s = self.unresponsive_after_s
 
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ class PrefillOutcome:
     handoff: Handoff | None = None  # for the decode hop; None: no prefill endpoint gave KV (decode alone)
     revision: str | None = None  # the prefill endpoint's serving revision
     answer: Any = None  # its JSON answer (the early first token is made from it)
+    ticket: str | None = None  # the hand-off in the router's ledger (handoffs.py), when it names remote KV
 
 
 async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -62,11 +64,11 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
             first_chunk = early_first_chunk(body, path, outcome.answer, outcome.handoff)
     revisions = {outcome.revision} if outcome.handoff else None
     if first_chunk is not None:
-        return _continue_after_first_chunk(state, plan, path, body, outcome.handoff, first_chunk, headers, deadline,
+        return _continue_after_first_chunk(state, plan, path, body, outcome, first_chunk, headers, deadline,
                                            revisions)
     d_body, alone = decode_bodies(body, outcome.handoff)
     opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
-                                revisions)
+                               revisions, ticket=outcome.ticket)
     if isinstance(opened, Reply):
         return opened
     return Reply(200, stream=relay(state, opened, deadline), headers=headers)
@@ -101,7 +103,11 @@ async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict
         state.prefill.mark_ok(ep)
         if r.status_code >= 400:
             return Reply(r.status_code, r.content, headers=headers)
-        return _handoff_of(ep.url, ep.revision, r)
+        outcome = _handoff_of(ep.url, ep.revision, r)
+        if outcome.handoff is not None and outcome.handoff.remote is not None:
+            outcome.ticket = uuid.uuid4().hex
+            state.handoffs.handed_off(outcome.ticket, ep.url, outcome.handoff.remote.lease_expires_at)
+        return outcome
     if state.prefill.endpoints:
         logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
                        headers["X-Request-Id"], len(state.prefill.endpoints))
@@ -124,20 +130,20 @@ def _handoff_of(url: str, revision: str | None, r: httpx.Response) -> PrefillOut
 
 
 def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any],
-                                handoff: Handoff, first_chunk: bytes, headers: dict[str, str], deadline: Deadline,
-                                revisions: set[str | None] | None) -> Reply:
+                                outcome: PrefillOutcome, first_chunk: bytes, headers: dict[str, str],
+                                deadline: Deadline, revisions: set[str | None] | None) -> Reply:
     """The stream starts with the prefill's token (early_first_chunk); a decode worker continues after it
     (delivered_token_ids). The 200 is sent with that chunk, so a decode hop that fails from here on ends the
     stream with an SSE error event, as a stream broken midway does."""
     # decoding alone (no decode of the prefill's revision is left) still continues after the delivered token
-    d_body, alone = decode_bodies(body, handoff, delivered=handoff.output_token_ids)
+    d_body, alone = decode_bodies(body, outcome.handoff, delivered=outcome.handoff.output_token_ids)
     state.metrics.first_byte(time.monotonic() - deadline.started)
     state.metrics.early_first_token()
 
     async def chunks() -> AsyncIterator[bytes]:
         yield first_chunk
         opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, True, revisions,
-                                    count_first_byte=False)
+                                   count_first_byte=False, ticket=outcome.ticket)
         if isinstance(opened, Reply):  # no decode worker took it: what it would have said, as an event
             yield as_sse_error(opened)
             return
@@ -148,10 +154,11 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 
 
 async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
-                       alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
-                       revisions: set[str | None] | None, count_first_byte: bool = True) -> DecodeStream | Reply:
+                      alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
+                      revisions: set[str | None] | None, count_first_byte: bool = True,
+                      ticket: str | None = None) -> DecodeStream | Reply:
     """A decode endpoint's stream that has its first byte, or the Reply to give the client (the whole answer
-    when not streamed, or why none came)."""
+    when not streamed, or why none came). `ticket`: the hand-off d_body carries, in the router's ledger."""
     tried: set[str] = set()
     timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
     # a non-streamed answer has no first byte before it is complete: only the total bounds it
@@ -177,6 +184,9 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
         ep.outstanding += 1
         start = time.monotonic()
         resp = None
+        carried = ticket if d_body is not alone else None  # the hand-off goes to this endpoint
+        if carried is not None:
+            state.handoffs.decode_sent(carried, ep.url)
         try:
             request = state.client.build_request("POST", ep.url + path, json=d_body, headers=headers,
                                                  timeout=deadline.httpx_timeout())
@@ -194,6 +204,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
                 state.decode.mark_ok(ep)
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
+                _settle(state, carried, consumed=resp.status_code < 400)
                 return Reply(resp.status_code, content, headers=headers)
             chunks = resp.aiter_raw()
             # before the first byte, a failure can still be retried
@@ -202,6 +213,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             if resp is not None:
                 await resp.aclose()
             ep.outstanding -= 1
+            _settle(state, carried, consumed=False)
             if isinstance(e, HopTimeout):
                 state.hop_timed_out(state.decode, ep, "decode", start, e)
                 timed_out = f"{ep.url}: {e}"
@@ -209,10 +221,21 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 state.hop_failed(state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
             continue
         state.decode.mark_ok(ep)
+        _settle(state, carried, consumed=True)
         if count_first_byte:
             state.metrics.first_byte(time.monotonic() - deadline.started)
         return DecodeStream(ep, resp, first, chunks, start)
     return _no_decode_answer(state, tried, timed_out, deadline)
+
+
+def _settle(state: RouterState, ticket: str | None, consumed: bool) -> None:
+    """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed."""
+    if ticket is None:
+        return
+    if not consumed:
+        state.handoffs.decode_failed(ticket)
+    elif (seconds := state.handoffs.decode_answered(ticket)) is not None:
+        state.metrics.handoff_consumed(seconds)
 
 
 def _no_decode_answer(state: RouterState, tried: set[str], timed_out: str | None, deadline: Deadline) -> Reply:

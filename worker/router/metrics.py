@@ -2,7 +2,11 @@
 decode) requests, errors and latency, and client requests by outcome. Labels as the workers' metrics."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP layer)
 
 from disagg.worker.server.metrics import E2E_BUCKETS, LABELS, TTFT_BUCKETS
@@ -25,6 +29,15 @@ KV_EVENTS = "disagg:router_kv_events"
 KV_EVENTS_LOST = "disagg:router_kv_events_lost"
 TTFT = "disagg:router_time_to_first_token_seconds"
 REFUSED_PREFILL_TARGETS = "disagg:router_refused_prefill_targets"
+# KV hand-offs per endpoint, measured at the router for any engine (handoffs.py); labels endpoint (its URL) and
+# endpoint_pod (its pod's name; not "pod", which a scrape's target labels own)
+KV_PENDING_SENDS = "disagg:router_kv_pending_sends"
+KV_PENDING_LOADS = "disagg:router_kv_pending_loads"
+KV_OLDEST_SEND_AGE = "disagg:router_kv_oldest_pending_send_seconds"
+KV_OLDEST_LOAD_AGE = "disagg:router_kv_oldest_pending_load_seconds"
+HANDOFF_TO_FIRST_TOKEN = "disagg:router_handoff_to_first_token_seconds"
+ENDPOINT_POD_LABEL = "endpoint_pod"
+ENDPOINT_LABELS = ("endpoint", ENDPOINT_POD_LABEL)
 
 
 class RouterMetrics:
@@ -63,9 +76,19 @@ class RouterMetrics:
                                             "replayed, undecodable batches).", LABELS, registry=r)
         self.ttft = Histogram(TTFT, "Router-side time to the first streamed byte, from the request's arrival.",
                               LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.handoff_latency = Histogram(HANDOFF_TO_FIRST_TOKEN, "From a prefill's hand-off to the first byte of "
+                                         "the decode hop that carried it.", LABELS, buckets=TTFT_BUCKETS, registry=r)
         self.refused_targets = Counter(REFUSED_PREFILL_TARGETS, "Prefill endpoints named by a request's "
                                        "x-prefiller-host-port that are not of this resource's prefill pool (not "
                                        "contacted; decoded alone).", LABELS, registry=r)
+
+    def handoff_consumed(self, seconds: float) -> None:
+        self.handoff_latency.labels(self.model_name, self.role).observe(seconds)
+
+    def watch_handoffs(self, ledger: Any, members: Callable[[], list[tuple[str, str, str]]]) -> None:
+        """Export the ledger's pending sends and loads per endpoint, read at each scrape; `members` gives the
+        current (role, url, pod name) of every endpoint (each reads 0 when nothing is pending there)."""
+        self.registry.register(_HandoffCollector(self, ledger, members))
 
     def refused_prefill_target(self) -> None:
         self.refused_targets.labels(self.model_name, self.role).inc()
@@ -112,3 +135,27 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HandoffCollector:
+    """Per-endpoint gauges computed from the hand-off ledger when scraped."""
+
+    def __init__(self, metrics: RouterMetrics, ledger: Any, members: Callable[[], list[tuple[str, str, str]]]):
+        self.metrics, self.ledger, self.members = metrics, ledger, members
+
+    def collect(self) -> Any:
+        sends, loads = self.ledger.pending()
+        members = self.members()
+        for name, doc, table, part, role in (
+                (KV_PENDING_SENDS, "Hand-offs a prefill endpoint gave whose KV no decode has consumed yet "
+                 "(until its lease ends).", sends, 0, "prefill"),
+                (KV_OLDEST_SEND_AGE, "Age of the oldest of them.", sends, 1, "prefill"),
+                (KV_PENDING_LOADS, "Decode hops carrying a hand-off, sent to the endpoint and not answered yet.",
+                 loads, 0, "decode"),
+                (KV_OLDEST_LOAD_AGE, "Age of the oldest of them.", loads, 1, "decode")):
+            family = GaugeMetricFamily(name, doc, labels=[*LABELS, *ENDPOINT_LABELS])
+            for member_role, url, pod in members:
+                if member_role == role:
+                    family.add_metric([self.metrics.model_name, self.metrics.role, url, pod],
+                                      float(table.get(url, (0, 0.0))[part]))
+            yield family

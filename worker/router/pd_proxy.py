@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -61,6 +62,20 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
             return JSONResponse({"ready": False, "reason": f"engine: {type(e).__name__}"}, status_code=503)
         return JSONResponse({"ready": r.status_code == 200, "role": role}, status_code=200 if r.status_code == 200
                             else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The engine's page, then this proxy's (its hops, and the KV hand-offs it saw per endpoint)."""
+        from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
+
+        try:
+            r = await state.client.get(f"{engine_url}/metrics", timeout=5.0)
+            engine_page = r.content if r.status_code == 200 else b""
+        except httpx.HTTPError:
+            engine_page = b""
+        if engine_page and not engine_page.endswith(b"\n"):
+            engine_page += b"\n"
+        return Response(engine_page + state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -190,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         args.decode = [args.engine_url]  # the one decode "pool" member: the engine behind this proxy
         routing = build_routing(args, metrics_role=args.role, need_decode=False)
+        # named as its pod (POD_NAME: the downward API, or disagg up's process name) in the per-endpoint metrics
+        routing.state.decode.set_urls(args.decode, names={args.engine_url: os.environ.get("POD_NAME", "")})
         signer = signer_from_env()
     except (ValueError, OSError) as e:
         logger.error("%s", e)

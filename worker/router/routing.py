@@ -219,4 +219,5 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
         discovery.poll(prefill, decode)  # the first membership before serving
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
                         prefix=prefix, early_first_token=early_first_token)
+    metrics.watch_handoffs(state.handoffs, state.members)
     return Routing(state, discovery, args)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
+from disagg.worker.router.handoffs import HandoffLedger
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.policy import RoutePlan, RoutingPolicy
 from disagg.worker.router.timeouts import HopTimeout, HopTimeouts
@@ -31,6 +32,12 @@ class RouterState:
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
     prefix: PrefixRouter | None = None  # a policy's prefix facts (prefix_router.py) when it reads them, else None
+    handoffs: HandoffLedger = field(default_factory=HandoffLedger)  # KV hand-offs pending per endpoint
+
+    def members(self) -> list[tuple[str, str, str]]:
+        """(role, url, pod name or host:port) of every endpoint, for the per-endpoint metrics."""
+        return [(pool.role, e.url, e.name or e.url.split("://", 1)[-1])
+                for pool in (self.prefill, self.decode) for e in pool.endpoints.values()]
 
     @property
     def policy(self) -> RoutingPolicy:

@@ -92,7 +92,8 @@ def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Ca
         PodSample]:
     """One sample per target pod; a pod Prometheus has no series for is missing."""
     fetched = sources.PrometheusSource(source.prometheus_url or "", timeout=source.timeout_seconds,
-                                       selector=source.selector or "", pod_label=source.pod_label).fetch()
+                                       selector=source.selector or "",
+                                       pod_label=source.pod_label).fetch(roles=("prefill", "decode", "router"))
     if isinstance(fetched, str):
         return [PodSample(t.name, t.role, clock(), error=fetched) for t in targets]
     by_pod = {smp.pod: smp for smp in fetched}
@@ -199,7 +200,8 @@ def _apply(cluster: Cluster, namespace: str, deployments: dict[str, dict[str, An
 
 def _read_samples(spec: s.DisaggregatedInferenceSpec, pods: dict[str, list[dict[str, Any]]],
                   clock: Callable[[], float]) -> list[PodSample]:
-    targets = [t for role in ROLES for t in scrape_targets(pods[role], role)]
+    """The worker pods' samples, and the router pods' (their per-endpoint view of pending KV hand-offs)."""
+    targets = [t for role in (*ROLES, "router") for t in scrape_targets(pods.get(role, []), role)]
     source = spec.autoscaling.metrics_source
     return (from_prometheus(targets, source, clock) if source.type == "prometheus"
             else scrape(targets, source.timeout_seconds, clock))
@@ -224,7 +226,7 @@ def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: dat
         return None
     current = {role: r.applied_replicas(dep) for role, dep in deployments.items()}  # type: ignore[arg-type]
     pods = {role: cluster.list_objects("v1", "Pod", owner.namespace, label_selector(owner.name, role))
-            for role in ROLES}
+            for role in (*ROLES, "router")}
     dry_run = spec.autoscaling.dry_run
     outcome = run_pass(lambda: _read_samples(spec, pods, clock), {role: removable_pods(pods[role]) for role in ROLES},
                        current, policy_from_spec(spec.autoscaling), state, clock(), dry_run)

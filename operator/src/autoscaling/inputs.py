@@ -13,14 +13,16 @@ from disagg.operator.autoscaling.samples import (PROMPT_TOKENS, PodSample, histo
 ROLES = ("prefill", "decode")
 
 # What each role's decision can read, by signal name -> the metrics that carry it (the first one a pod exports
-# counts). vLLM workers export the vllm: names but none of the disagg: gauges, and count pending loads by stage
-# instead; a signal no fresh pod exports is left out of the decision (never read as zero) and named in status.
+# counts). vLLM workers export the vllm: names but none of the disagg: gauges (pending loads they count by stage);
+# pending sends and loads come then from the router's per-endpoint view (samples.attribute_handoff_signals). A
+# signal no fresh pod exports is left out of the decision (never read as zero) and named in status.
 SIGNALS: dict[str, dict[str, tuple[str, ...]]] = {
     "prefill": {"waitingRequests": (m.NUM_REQUESTS_WAITING,), "waitingPromptTokens": (m.WAITING_PROMPT_TOKENS,),
-                "timeToFirstToken": (m.TTFT,), "pendingSends": (m.PENDING_SENDS,),
+                "timeToFirstToken": (m.TTFT,), "pendingSends": (m.PENDING_SENDS, m.ROUTER_PENDING_SENDS),
                 "promptTokensRate": (PROMPT_TOKENS,), "expiredLeases": (m.EXPIRED_LEASES,)},
     "decode": {"kvCacheUsage": (m.KV_CACHE_USAGE,), "interTokenLatency": (m.ITL,),
-               "pendingLoads": (m.PENDING_LOADS, m.VLLM_PENDING_LOADS), "transferTime": (m.XFER_TIME,),
+               "pendingLoads": (m.PENDING_LOADS, m.VLLM_PENDING_LOADS, m.ROUTER_PENDING_LOADS),
+               "transferTime": (m.XFER_TIME,),
                "failedTransfers": (m.FAILED_TRANSFERS,)},
 }
 
@@ -160,7 +162,8 @@ def aggregate_role(role: str, samples: list[PodSample], previous: dict[str, PodS
     rm.kv_cache_usage = sum(usage) / len(usage) if usage else None
     for signal, names in SIGNALS[role].items():
         (rm.signals_used if _exported(fresh, names) else rm.signals_unavailable).append(signal)
-    rm.pending_sends = sum(v(s, m.PENDING_SENDS) for s in fresh)
+    sends = _exported(fresh, SIGNALS["prefill"]["pendingSends"]) or m.PENDING_SENDS
+    rm.pending_sends = sum(v(s, sends) for s in fresh)
     loads = _exported(fresh, SIGNALS["decode"]["pendingLoads"]) or m.PENDING_LOADS
     rm.pending_loads = sum(v(s, loads) for s in fresh)
     served = 0.0

@@ -15,6 +15,13 @@ from disagg.worker.metric_names import (  # noqa: F401 (the policy modules read 
     NIXL_FAILED_TRANSFERS as FAILED_TRANSFERS, NIXL_XFER_TIME as XFER_TIME,
     NUM_WAITING_PROMPT_TOKENS as WAITING_PROMPT_TOKENS,
 )
+# The same signals measured where every request passes, for any engine: the router (and a vLLM pod's pd-proxy,
+# behind a gateway) exports them per endpoint, labelled with that endpoint's pod (router/handoffs.py). Read into
+# the named pod's sample under these names (attribute_handoff_signals).
+from disagg.worker.router.metrics import (  # noqa: E402
+    ENDPOINT_POD_LABEL, KV_PENDING_LOADS as ROUTER_PENDING_LOADS, KV_PENDING_SENDS as ROUTER_PENDING_SENDS,
+)
+HANDOFF_SIGNALS = (ROUTER_PENDING_SENDS, ROUTER_PENDING_LOADS)
 # vLLM has no disagg:kv_pending_loads; its decode workers count requests by async KV load stage instead. Those
 # not yet loaded (waiting to start + in progress) are the same signal, folded under this name when read.
 VLLM_KV_FETCH_PENDING_STAGES = ("waiting_to_start", "in_progress")
@@ -44,6 +51,8 @@ class PodSample:
     values: dict[str, float] = field(default_factory=dict)  # gauge/counter name -> value, summed over label sets
     histograms: dict[str, Histogram] = field(default_factory=dict)  # name -> cumulative, summed over label sets
     error: str | None = None  # why nothing was read (timeout, refused, HTTP status, parse error)
+    # what this page measured about other endpoints: endpoint pod -> HANDOFF_SIGNALS name -> value (a router's)
+    endpoint_signals: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def missing(self) -> bool:
@@ -95,3 +104,18 @@ def pod_load(sample: PodSample) -> float:
     v = sample.values
     return sum(v.get(n, 0.0) for n in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_SENDS, PENDING_LOADS,
                                              VLLM_PENDING_LOADS))
+
+
+def attribute_handoff_signals(samples: list[PodSample]) -> list[PodSample]:
+    """Each worker pod's pending sends and loads as the routers (and pd-proxies) measured them, summed over every
+    page read, into that pod's sample under the router's names; pods no page named get none (the signal stays
+    unavailable rather than read as zero). The pages' own samples (routers) are returned unchanged."""
+    named: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for s in samples:
+        for pod, values in s.endpoint_signals.items():
+            for name, value in values.items():
+                named[pod][name] += value
+    for s in samples:
+        if s.pod in named and not s.missing:
+            s.values.update(named[s.pod])
+    return samples

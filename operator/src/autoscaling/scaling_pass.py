@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from disagg.operator.autoscaling.inputs import ROLES, AutoscalePolicy, policy_from_spec
 from disagg.operator.autoscaling.policy import Decision, ScalingHistory, decide
 from disagg.operator.autoscaling.report import ScalingChange, decision_json, role_metrics, scaling_line
-from disagg.operator.autoscaling.samples import PodSample, pod_load
+from disagg.operator.autoscaling.samples import PodSample, attribute_handoff_signals, pod_load
 from disagg.operator.autoscaling.sources import scrape_pods
 
 __all__ = ["ROLES", "Decision", "PassOutcome", "PassState", "PodSample", "ScalingChange", "choose_removals",
@@ -50,7 +50,7 @@ def run_pass(scrape: Callable[[], list[PodSample]], members: dict[str, list[str]
              policy: AutoscalePolicy, state: PassState, now: float, dry_run: bool) -> PassOutcome:
     """`members`: role -> the pool's members that may be removed, newest first; `current`: role -> the replicas
     the pool is meant to run (what the decision starts from); `now`: seconds, the samples' clock."""
-    samples = scrape()
+    samples = attribute_handoff_signals(scrape())  # routers' pages name the workers' pending KV (any engine)
     by_role = {role: [s for s in samples if s.role == role] for role in ROLES}
     decision = decide(by_role, current, policy, state.history, now)
     changes: list[ScalingChange] = []

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.operator.autoscaling.samples import (NUM_REQUESTS_RUNNING, VLLM_KV_FETCH_BY_STAGE,
-                                                 VLLM_KV_FETCH_PENDING_STAGES, VLLM_PENDING_LOADS, Histogram,
-                                                 PodSample)
+from disagg.operator.autoscaling.samples import (ENDPOINT_POD_LABEL, HANDOFF_SIGNALS, NUM_REQUESTS_RUNNING,
+                                                 VLLM_KV_FETCH_BY_STAGE, VLLM_KV_FETCH_PENDING_STAGES,
+                                                 VLLM_PENDING_LOADS, Histogram, PodSample)
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,11 @@ Clock = Callable[[], float]
 
 # ---------------------------------------------------------------- parsing
 def _fold(series: Iterable[tuple[str, dict[str, str], float]], histogram_names: set[str]) -> tuple[
-        dict[str, float], dict[str, Histogram], str | None]:
-    """(sample name, labels, value) triples -> scalar values and histograms summed over label sets."""
+        dict[str, float], dict[str, Histogram], str | None, dict[str, dict[str, float]]]:
+    """(sample name, labels, value) triples -> scalar values and histograms summed over label sets, and the
+    hand-off signals this page measured per endpoint pod (samples.HANDOFF_SIGNALS)."""
     values: dict[str, float] = defaultdict(float)
+    per_endpoint: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
@@ -44,13 +46,15 @@ def _fold(series: Iterable[tuple[str, dict[str, str], float]], histogram_names: 
                 sums[base] += value
             else:
                 counts[base] += value
+        elif name in HANDOFF_SIGNALS and ENDPOINT_POD_LABEL in labels:
+            per_endpoint[labels[ENDPOINT_POD_LABEL]][name] += value
         elif name == VLLM_KV_FETCH_BY_STAGE:
             if labels.get("stage") in VLLM_KV_FETCH_PENDING_STAGES:
                 values[VLLM_PENDING_LOADS] += value
         elif not name.endswith("_created"):
             values[name.removesuffix("_total")] += value
     hists = {n: Histogram(tuple(sorted(b.items())), sums[n], counts[n]) for n, b in buckets.items()}
-    return dict(values), hists, role
+    return dict(values), hists, role, {pod: dict(v) for pod, v in per_endpoint.items()}
 
 
 def parse_prometheus_text(text: str, *, pod: str = "", role: str | None = None,
@@ -62,8 +66,8 @@ def parse_prometheus_text(text: str, *, pod: str = "", role: str | None = None,
         if family.type == "histogram":
             histogram_names.add(family.name)
         series.extend((s.name, s.labels, s.value) for s in family.samples)
-    values, hists, label_role = _fold(series, histogram_names)
-    return PodSample(pod, role or label_role or "", timestamp, values, hists)
+    values, hists, label_role, per_endpoint = _fold(series, histogram_names)
+    return PodSample(pod, role or label_role or "", timestamp, values, hists, endpoint_signals=per_endpoint)
 
 
 # ---------------------------------------------------------------- direct scrape (default)
@@ -139,7 +143,7 @@ def samples_from_prometheus(series: list[dict], stamps: list[dict], pod_label: s
     samples = []
     for pod, triples in sorted(by_pod.items()):
         hist_names = {n.removesuffix("_bucket") for n, labels, _ in triples if n.endswith("_bucket") and "le" in labels}
-        values, hists, role = _fold(triples, hist_names)
+        values, hists, role, per_endpoint = _fold(triples, hist_names)
         ts = scraped_at.get(pod, min(float(s["value"][0]) for s in series))
-        samples.append(PodSample(pod, role or "", ts, values, hists))
+        samples.append(PodSample(pod, role or "", ts, values, hists, endpoint_signals=per_endpoint))
     return samples

@@ -70,3 +70,39 @@ def test_vllm_pending_loads_drive_the_transfer_signal():
     d = _decide(VLLM_PREFILL, decode_text(usage=0.3, start=6.0, progress=4.0), AutoscalePolicy(pending_loads_per_pod=4))
     assert d.metrics["decode_pending_loads_per_pod"] == 10.0
     assert d.bottleneck == "TransferBound" and d.desired == {"prefill": 1, "decode": 1}
+
+
+# a router's page: what it measured per endpoint (router/handoffs.py), for the prefill pod p-0 and decode pod d-0
+ROUTER = """\
+# TYPE disagg:router_kv_pending_sends gauge
+disagg:router_kv_pending_sends{endpoint="http://10.0.0.1:8000",endpoint_pod="p-0",model_name="tiny",role="router"} {sends}
+# TYPE disagg:router_kv_pending_loads gauge
+disagg:router_kv_pending_loads{endpoint="http://10.0.0.2:8000",endpoint_pod="d-0",model_name="tiny",role="router"} 1.0
+"""
+
+
+def _decide_with_routers(routers: list[str], policy: AutoscalePolicy):
+    from disagg.operator.autoscaling.samples import attribute_handoff_signals
+
+    samples = attribute_handoff_signals(
+        [parse_prometheus_text(VLLM_PREFILL, pod="p-0", role="prefill", timestamp=100.0),
+         parse_prometheus_text(decode_text(usage=0.95), pod="d-0", role="decode", timestamp=100.0),
+         *(parse_prometheus_text(r, pod=f"router-{i}", role="router", timestamp=100.0) for i, r in enumerate(routers))])
+    by_role = {role: [s for s in samples if s.role == role] for role in ("prefill", "decode")}
+    return decide(by_role, {"prefill": 1, "decode": 1}, policy, ScalingHistory(), 100.0)
+
+
+def test_the_routers_view_gives_vllm_pods_the_kv_back_pressure_signal():
+    """Decode KV full and KV piling up at the prefill (its sends not pulled): a decode shortage, read for vLLM
+    pods from what the routers measured per endpoint (summed over routers)."""
+    d = _decide_with_routers([ROUTER.replace("{sends}", "3.0"), ROUTER.replace("{sends}", "2.0")],
+                             AutoscalePolicy(pending_sends_per_pod=2.0))
+    assert "pendingSends" in d.signals["prefill"]["used"]
+    assert d.metrics["prefill_pending_sends_per_pod"] == 5.0
+    assert d.desired["decode"] == 2 and d.desired["prefill"] == 1  # never prefill for a decode bottleneck
+    assert d.bottleneck == "DecodeBound"
+
+
+def test_without_a_router_page_the_signal_stays_unavailable():
+    d = _decide_with_routers([], AutoscalePolicy())
+    assert "pendingSends" in d.signals["prefill"]["unavailable"]

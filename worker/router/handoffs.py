@@ -1,0 +1,71 @@
+"""The KV hand-offs the router has seen, per endpoint: what every request's P/D hops tell, whatever the engine.
+
+vLLM exports no gauge of KV waiting at a prefill pod to be pulled, nor of requests waiting at a decode pod for
+remote KV (ours does: disagg:kv_pending_sends / disagg:kv_pending_loads). The router sees both ends of each
+hand-off, so it measures them for any engine:
+  - a pending send: the prefill's answer named KV (a hand-off) and no decode has answered with it yet; it stops
+    being pending when a decode endpoint's first byte comes back for it, or at its lease end (the prefill frees
+    unread KV then; a hand-off without a lease is given DEFAULT_LEASE_S);
+  - a pending load: a decode hop carrying a hand-off, sent and not answered yet (its first byte);
+  - hand-off -> first decode token: from the prefill's answer to that first byte.
+Per endpoint: the count and the age of the oldest (metrics.py exports them with the endpoint's pod name).
+Pure bookkeeping with an injected clock; the hops (hops.py) report to it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEFAULT_LEASE_S = 30.0  # the workers' default (--kv-lease-seconds), for a hand-off that names no lease end
+
+
+@dataclass
+class Ticket:
+    """One hand-off as the router follows it."""
+    prefill_url: str
+    handed_at: float  # monotonic: when the prefill's answer came
+    expires_at: float  # monotonic: its lease end
+
+
+@dataclass
+class HandoffLedger:
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    sends: dict[str, Ticket] = field(default_factory=dict)  # ticket id -> the hand-off, while pending
+    loads: dict[str, tuple[str, float]] = field(default_factory=dict)  # ticket id -> (decode url, sent at)
+
+    def handed_off(self, ticket: str, prefill_url: str, lease_expires_at: float | None) -> None:
+        now = self.clock()
+        left = lease_expires_at - self.wall() if lease_expires_at is not None else DEFAULT_LEASE_S
+        self.sends[ticket] = Ticket(prefill_url, now, now + max(left, 0.0))
+
+    def decode_sent(self, ticket: str, decode_url: str) -> None:
+        self.loads[ticket] = (decode_url, self.clock())
+
+    def decode_failed(self, ticket: str) -> None:
+        """The hop failed before its first byte: no longer loading there (the KV may go to another decode)."""
+        self.loads.pop(ticket, None)
+
+    def decode_answered(self, ticket: str) -> float | None:
+        """The decode's first byte came: the KV was consumed. Seconds from the hand-off, when it was pending."""
+        self.loads.pop(ticket, None)
+        send = self.sends.pop(ticket, None)
+        return self.clock() - send.handed_at if send is not None else None
+
+    def pending(self) -> tuple[dict[str, tuple[int, float]], dict[str, tuple[int, float]]]:
+        """({prefill url: (pending sends, oldest's age s)}, {decode url: (pending loads, oldest's age s)});
+        hand-offs past their lease are dropped (their prefill freed the KV)."""
+        now = self.clock()
+        for ticket in [t for t, s in self.sends.items() if s.expires_at <= now]:
+            del self.sends[ticket]
+        return _by_endpoint([(s.prefill_url, s.handed_at) for s in self.sends.values()], now), \
+            _by_endpoint(list(self.loads.values()), now)
+
+
+def _by_endpoint(entries: list[tuple[str, float]], now: float) -> dict[str, tuple[int, float]]:
+    out: dict[str, tuple[int, float]] = {}
+    for url, since in entries:
+        n, oldest = out.get(url, (0, 0.0))
+        out[url] = (n + 1, max(oldest, now - since))
+    return out
