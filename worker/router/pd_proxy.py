@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 import httpx
+from fastapi import Request  # FastAPI resolves the handlers' (string) annotations here: else a 422 on every route
 
 logger = logging.getLogger("disagg.worker.pd_proxy")
 
