@@ -19,20 +19,13 @@ from disagg.operator import naming
 from disagg.operator import spec as s
 from disagg.operator import validate
 from disagg.worker.cli import build_parser
+from test_router_command import POLICIES, ROUTERS  # the router's variants: the picker routes by the same spec
 
 ROOT = Path(__file__).resolve().parents[3]
 BASES = {engine: yaml.safe_load((ROOT / "examples" / f"llama3-8b-{name}.yaml").read_text())
          for engine, name in (("disagg", "gpu"), ("vllm", "vllm"))}
 OWNER = m.Owner(name="llama", namespace="serving", uid="0000-1111")
 POD_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "p", "POD_NAMESPACE": "serving"}
-POLICIES = ("least-loaded", "round-robin", "prefix-aware")
-ROUTERS = {
-    "defaults": {},
-    "bounds": {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90,
-                            "unresponsiveSeconds": 0},
-               "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40},
-               "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5}},
-}
 GATEWAYS = {
     "off": {"enabled": False},
     "fail-close": {"enabled": True},
