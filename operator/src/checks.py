@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from disagg.operator import spec as s
 from disagg.operator.naming import MAX_NAME_LENGTH
 from disagg.operator.epp_command import build_epp_command
-from disagg.operator.placement import MODELS_DIR, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool
+from disagg.operator.placement import (
+    MODELS_DIR, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool,
+)
 from disagg.operator.worker_command import ROLES, build_worker_command, owned_flags
 from disagg.worker.kv_transfer.connectors import connector_problem, declaration_of
 from disagg.worker.server.args import parse_worker_args

@@ -185,7 +185,8 @@ class StandInGateway:
     def _parent(self, pool: str) -> dict[str, str]:
         for route in self.store.list_objects(*ROUTES, self.namespace):
             for rule in route["spec"].get("rules") or []:
-                if any(b.get("kind") == "InferencePool" and b.get("name") == pool for b in rule.get("backendRefs") or []):
+                refs = rule.get("backendRefs") or []
+                if any(b.get("kind") == "InferencePool" and b.get("name") == pool for b in refs):
                     parent = route["spec"]["parentRefs"][0]
                     return {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": parent["name"],
                             **({"namespace": parent["namespace"]} if parent.get("namespace") else {})}

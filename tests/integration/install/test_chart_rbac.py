@@ -4,7 +4,8 @@ For each install scope (all namespaces, listed namespaces, each with and without
 a real helm, run the operator with the rendered container args (the Dockerfile's entrypoint + `args`) against the
 operator tests' emulated API server, drive a create / readiness / autoscaling (up, then down with the
 pod-deletion-cost mark) / update / gateway and NetworkPolicies turned off / invalid spec / delete scenario (the
-resource starts with spec.gateway and an HTTPRoute on), and compare the API server's request log with the rendered (Cluster)Roles and bindings:
+resource starts with spec.gateway and an HTTPRoute on), and compare the API server's request log with the rendered
+(Cluster)Roles and bindings:
 (a) every request the operator made is allowed for the operator's ServiceAccount, in the namespace it was made in;
 (b) every granted (group, resource, verb) was requested, or is needed to grant the router's Role (Kubernetes'
     escalation check: the operator can only create a Role with rules it holds itself); a cluster-wide grant in a
@@ -49,12 +50,14 @@ from disagg.worker.local.process import free_port  # noqa: E402
 
 DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
 RELEASE_NS = "disagg-system"
+# the children the operator patches (the Secret is created once, never patched)
 CHILD_KINDS = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
                ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"),
                ("networking.k8s.io", "v1", "networkpolicies"), ("inference.networking.k8s.io", "v1", "inferencepools"),
-               ("gateway.networking.k8s.io", "v1", "httproutes")]  # the Secret is created once, never patched
-GATEWAY_KINDS = {("inference.networking.k8s.io", "v1", "inferencepools"): Kind("InferencePool", status_subresource=True),
-                 ("gateway.networking.k8s.io", "v1", "httproutes"): Kind("HTTPRoute", status_subresource=True)}
+               ("gateway.networking.k8s.io", "v1", "httproutes")]
+GATEWAY_KINDS = {
+    ("inference.networking.k8s.io", "v1", "inferencepools"): Kind("InferencePool", status_subresource=True),
+    ("gateway.networking.k8s.io", "v1", "httproutes"): Kind("HTTPRoute", status_subresource=True)}
 PEERING_KINDS = {("kopf.dev", "v1", "kopfpeerings"): Kind("KopfPeering"),
                  ("kopf.dev", "v1", "clusterkopfpeerings"): Kind("ClusterKopfPeering", namespaced=False)}
 SCENARIOS = {  # name -> helm values arguments
