@@ -22,16 +22,33 @@ from disagg.worker.server.args import add_arguments, kv_transfer_config  # noqa:
 logger = logging.getLogger("disagg.worker.server")
 
 
-def engine_config(args: argparse.Namespace, model: str) -> Any:
+def handoff_signer() -> Any:
+    """The hand-off key of this resource ($DISAGG_HANDOFF_KEY or _FILE, $DISAGG_HANDOFF_RESOURCE), or None - said
+    loudly: then anyone who reaches this worker can make it connect to any host and read any prefill's KV."""
+    from disagg.worker.kv_transfer.handoff_auth import KEY_ENV, signer_from_env
+
+    signer = signer_from_env()
+    if signer is None:
+        logger.warning("no hand-off key ($%s): P/D hand-offs are neither signed nor checked and the KV side "
+                       "channel is open; run only on a network no one else reaches (the operator and `disagg up` "
+                       "always set one)", KEY_ENV)
+    else:
+        logger.info("hand-offs signed and checked for %s", signer.resource)
+    return signer
+
+
+def engine_config(args: argparse.Namespace, model: str, signer: Any = None) -> Any:
     from disagg.worker.config import EngineConfig
 
+    transfer = kv_transfer_config(args)
+    transfer.auth = signer
     return EngineConfig(
         model=model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_transfer_config=kv_transfer_config(args), enable_kv_events=bool(args.kv_events_endpoint),
+        seed=args.seed, kv_transfer_config=transfer, enable_kv_events=bool(args.kv_events_endpoint),
     )
 
 
@@ -64,20 +81,21 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or str(default_model_dir())
     try:
-        config = engine_config(args, model)
+        signer = handoff_signer()
+        config = engine_config(args, model, signer)
         pd = prefill_hop_routing(args)
         publisher = kv_events_publisher(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
     try:
-        return _serve(args, config, publisher, pd)
+        return _serve(args, config, publisher, pd, signer)
     finally:
         if publisher is not None:  # after the engine stopped: its last changes are sent
             publisher.close()
 
 
-def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any) -> int:
+def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signer: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
     from disagg.worker.server.metrics import worker_metrics
     from disagg.worker.server.app import ServerState, build_app
@@ -87,7 +105,8 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any) -> in
     engine_loop = EngineLoop(lambda: LLMEngine(config), lambda engine: worker_metrics(engine, args.role),
                              publish_kv_events=publisher.publish if publisher is not None else None)
     state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None,
-                        pd=pd.state if pd is not None else None, early_first_token=args.early_first_token)
+                        pd=pd.state if pd is not None else None, early_first_token=args.early_first_token,
+                        signer=signer)
     app = build_app(state)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
