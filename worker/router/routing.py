@@ -201,7 +201,7 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
         discovery = FileDiscovery(args.endpoints_file, args.probe_interval)
     if discovery is not None and not need_decode:
         discovery.roles = ("prefill",)  # the decode pool is this process's own engine
-    elif need_decode and not args.decode:
+    elif discovery is None and need_decode and not args.decode:
         raise ValueError("give at least one --decode URL (or --discovery file or kubernetes)")
     metrics = RouterMetrics(role=metrics_role)
     policy = routing_policy(args)
