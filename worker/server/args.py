@@ -46,9 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--engine-id", default="", help="unique engine id (default: random)")
     e = p.add_argument_group("KV-cache events (vLLM's ZMQ wire format; read by `disagg router --policy prefix-aware`)")
     e.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
-                   help="publish prefix-cache changes on this ZMQ PUB address, e.g. tcp://*:5557 (default: off)")
+                   help="publish prefix-cache changes on this ZMQ PUB address, e.g. tcp://10.0.0.7:5557; "
+                        "tcp://:5557 binds --host when that is one address, else loopback (default: off). The "
+                        "events carry the token ids of cached prompt blocks: bind an address only the router reaches")
     e.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
-                   help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB port + 1)")
+                   help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB address, port + 1)")
     e.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
     h = p.add_argument_group("P/D behind a gateway: the decode side's prefill hop (x-prefiller-host-port, set by "
                              "`disagg epp`) goes only to a prefill endpoint these name (default: none is taken)")

@@ -56,10 +56,28 @@ def kv_events_publisher(args: argparse.Namespace) -> Any:
     """The ZMQ publisher when --kv-events-endpoint is given, else None; ValueError on a bad or busy address."""
     if not args.kv_events_endpoint:
         return None
-    from disagg.worker.kv_events.publisher import ZmqEventPublisher, replay_endpoint_for
+    from disagg.worker.kv_events.publisher import ZmqEventPublisher, bind_endpoint, replay_endpoint_for
 
-    replay = args.kv_events_replay_endpoint or replay_endpoint_for(args.kv_events_endpoint)
-    return ZmqEventPublisher(args.kv_events_endpoint, replay, args.block_size, topic=args.kv_events_topic)
+    endpoint = bind_endpoint(args.kv_events_endpoint, args.host)
+    replay = args.kv_events_replay_endpoint or replay_endpoint_for(endpoint)
+    return ZmqEventPublisher(endpoint, replay, args.block_size, topic=args.kv_events_topic)
+
+
+def exposure_warnings(args: argparse.Namespace) -> list[str]:
+    """What this worker's command line opens to every interface that carries more than a probe: the KV-event
+    sockets (BlockStored carries the token ids of every cached prompt block) and the NIXL side channel."""
+    from disagg.worker.kv_events.publisher import WILDCARD_HOSTS, binds_every_interface
+
+    out = []
+    for flag, endpoint in (("--kv-events-endpoint", args.kv_events_endpoint),
+                           ("--kv-events-replay-endpoint", args.kv_events_replay_endpoint)):
+        if endpoint and binds_every_interface(endpoint):
+            out.append(f"{flag} {endpoint} binds every interface: whoever connects reads the token ids of every "
+                       "prompt block this worker caches (its prompts); bind the pod's address instead")
+    if getattr(args, "side_channel_host", None) in WILDCARD_HOSTS:
+        out.append(f"--kv-side-channel-host {args.side_channel_host} binds every interface: without a hand-off key "
+                   "whoever connects gets this engine's NIXL metadata and can READ its KV cache")
+    return out
 
 
 def prefill_hop_routing(args: argparse.Namespace) -> Any:
@@ -80,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from disagg.worker.model.tiny import default_model_dir
 
     model = args.model or str(default_model_dir())
+    for warning in exposure_warnings(args):
+        logger.warning("%s", warning)
     try:
         signer = handoff_signer()
         config = engine_config(args, model, signer)
