@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="model name in the API (default: the directory name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="require `Authorization: Bearer <one of these>` on every route but /health, /ready and "
+                        "/metrics (default: $VLLM_API_KEY, as vLLM; none: open); the decode side's prefill hop sends "
+                        "the first")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")

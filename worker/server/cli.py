@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from disagg.worker.api_keys import ApiKeys, RequireApiKey, worker_own_keys
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS
 from disagg.worker.server.args import add_arguments, kv_transfer_config  # noqa: F401  (the subcommand's parser)
 
@@ -80,8 +81,9 @@ def exposure_warnings(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def prefill_hop_routing(args: argparse.Namespace) -> Any:
-    """The prefill pool behind a gateway (--pd-*), or None: the decode side's hop is off."""
+def prefill_hop_routing(args: argparse.Namespace, api_key: str | None = None) -> Any:
+    """The prefill pool behind a gateway (--pd-*), or None: the decode side's hop is off. `api_key`: the pool's
+    shared key, sent to the prefill workers."""
     if args.pd_discovery == "none":
         return None
     if args.role == "prefill":
@@ -90,7 +92,8 @@ def prefill_hop_routing(args: argparse.Namespace) -> Any:
 
     return prefill_routing(args.pd_discovery, args.pd_prefill, endpoints_file=args.pd_endpoints_file,
                            namespace=args.pd_namespace, selector=args.pd_prefill_selector,
-                           worker_port=args.pd_worker_port, probe_interval_s=args.pd_probe_interval)
+                           worker_port=args.pd_worker_port, probe_interval_s=args.pd_probe_interval,
+                           worker_api_key=api_key)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,22 +103,24 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_dir())
     for warning in exposure_warnings(args):
         logger.warning("%s", warning)
+    api_keys = worker_own_keys(args.api_key)
     try:
         signer = handoff_signer()
         config = engine_config(args, model, signer)
-        pd = prefill_hop_routing(args)
+        pd = prefill_hop_routing(args, api_keys[0] if api_keys else None)
+        keys = ApiKeys.of(api_keys) if api_keys else None
         publisher = kv_events_publisher(args)
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
     try:
-        return _serve(args, config, publisher, pd, signer)
+        return _serve(args, config, publisher, pd, signer, keys)
     finally:
         if publisher is not None:  # after the engine stopped: its last changes are sent
             publisher.close()
 
 
-def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signer: Any) -> int:
+def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signer: Any, keys: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
     from disagg.worker.server.metrics import worker_metrics
     from disagg.worker.server.app import ServerState, build_app
@@ -128,6 +133,8 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signe
                         pd=pd.state if pd is not None else None, early_first_token=args.early_first_token,
                         signer=signer)
     app = build_app(state)
+    if keys is not None:
+        app.add_middleware(RequireApiKey, keys=keys)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                        timeout_graceful_shutdown=args.drain_timeout, access_log=False),
