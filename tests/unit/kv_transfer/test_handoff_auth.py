@@ -109,3 +109,14 @@ def test_a_prefill_answer_is_signed_only_when_it_names_remote_kv():
     assert signed["tp_size"] == 1 and signed["disagg_signature"].startswith("v1:team-a/llama:")
     HandoffSigner(KEY, "team-a/llama").verify(Handoff.parse(signed), NOW)
     assert SIGNER.sign_params({"do_remote_decode": True}) == {"do_remote_decode": True}
+
+
+def test_the_replay_cache_keeps_a_signature_only_while_its_lease_runs():
+    signer = HandoffSigner(KEY, "team-a/llama")
+    for i, lease in enumerate((NOW + 10, NOW + 40, NOW + 20)):
+        signer.verify(SIGNER.sign(answer(request_id=f"req-{i}", lease_expires_at=lease)), NOW)
+    late = SIGNER.sign(answer(request_id="req-9", lease_expires_at=NOW + 60))
+    signer.verify(late, NOW + 25)  # the leases ending at +10 and +20 are over: those two are forgotten
+    assert len(signer._seen) == 2
+    with pytest.raises(HandoffRejected, match="used already"):
+        signer.verify(late, NOW + 26)
