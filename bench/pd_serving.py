@@ -10,6 +10,7 @@ serve the same generated checkpoint (head size 64, which vLLM's CPU attention ne
     python bench/pd_serving.py [--rates 2 4] [--num-requests 24] [--connector NixlConnector]
     DISAGG_VLLM=.venv-vllm/bin/vllm python bench/pd_serving.py --engine disagg vllm
     python bench/pd_serving.py --plot pd.png   # also TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)
+    python bench/pd_serving.py --signing off on --pd-rounds 3   # P/D with hand-off signing on vs off, one run
 
 The deployments run one after the other so they never share the CPU. Not a test.
 """
@@ -85,10 +86,26 @@ async def run_load(url: str, rate: float, n: int, prompt_words: int, max_tokens:
             tasks.append(asyncio.ensure_future(one_request(client, url, prompt, max_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-    ttfts = [t for t, _ in results]
-    itls = [x for _, gaps in results for x in gaps]
+    return latency_summary([t for t, _ in results], [x for _, gaps in results for x in gaps])
+
+
+def latency_summary(ttfts: list[float], itls: list[float]) -> dict:
     return {"ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_mean": statistics.mean(ttfts),
             "itl_p50": percentile(itls, 0.5), "itl_p90": percentile(itls, 0.9), "ttfts": ttfts, "itls": itls}
+
+
+def pooled(runs: list[dict[float, dict]]) -> dict[float, dict]:
+    """Several runs of one setup as one: their requests' latencies together (the transfer share: the mean)."""
+    out = {}
+    for rate in runs[0]:
+        r = latency_summary([t for run in runs for t in run[rate]["ttfts"]],
+                            [x for run in runs for x in run[rate]["itls"]])
+        if "xfer_mean" in runs[0][rate]:
+            r["xfer_mean"] = statistics.mean(run[rate]["xfer_mean"] for run in runs)
+        if "stages" in runs[0][rate]:
+            r["stages"] = runs[0][rate]["stages"]
+        out[rate] = r
+    return out
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -108,8 +125,8 @@ STARTUP_S = {"disagg": 180, "vllm": 600}
 FIRST_TOKEN = {"prefill": [], "decode": ["--no-early-first-token"]}
 
 
-def start_pd(tmp: Path, connector: str, engine: str, model_dir: str,
-             worker_args: list[str], router_args: list[str] = ()) -> tuple[subprocess.Popen, str, str]:
+def start_pd(tmp: Path, connector: str, engine: str, model_dir: str, worker_args: list[str],
+             router_args: list[str] = (), up_args: list[str] = ()) -> tuple[subprocess.Popen, str, str]:
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     spec = doc["spec"]
     spec.setdefault("router", {})["extraArgs"] = list(router_args)
@@ -125,7 +142,8 @@ def start_pd(tmp: Path, connector: str, engine: str, model_dir: str,
     out = tmp / f"up-{engine}.out"
     extra = [f"--worker-arg={a}" for a in worker_args] if engine == "disagg" else []
     proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / f"spec-{engine}.yaml"), "--port", str(port), "--log-dir",
-                             str(tmp / f"logs-{engine}"), "--startup-timeout", str(STARTUP_S[engine]), *extra],
+                             str(tmp / f"logs-{engine}"), "--startup-timeout", str(STARTUP_S[engine]), *extra,
+                             *up_args],
                             stdout=out.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S[engine] + 30
@@ -236,6 +254,52 @@ def measure(url: str, args: argparse.Namespace, decode: str | None, early: bool 
     return out
 
 
+# hand-off signing (issue 28) -> `disagg up`'s flags for it
+SIGNING = {"on": [], "off": ["--no-handoff-signing"]}
+
+
+def pd_name(mode: str, signing: str, args: argparse.Namespace) -> str:
+    """A P/D run's row name: its first-token mode, and its signing when both are measured."""
+    return mode if len(args.signing) == 1 else f"{mode} sig {signing}"
+
+
+def signing_cost_us(n: int = 2000) -> float:
+    """Microseconds one hand-off costs to sign at the prefill worker and check at the decode worker (the HTTP
+    layer's work for it: parse, HMAC, replay cache), measured in this process."""
+    import base64
+    import os as os_
+
+    from disagg.worker.kv_transfer.handoff import Handoff
+    from disagg.worker.kv_transfer.handoff_auth import HandoffSigner
+
+    key = os_.urandom(32)
+    prefill, decode = HandoffSigner(key, "bench/pd"), HandoffSigner(key, "bench/pd")
+    wire = {"do_remote_prefill": True, "remote_engine_id": base64.b16encode(os_.urandom(8)).decode(),
+            "remote_block_ids": list(range(20)), "remote_host": "10.0.0.7", "remote_port": 5600,
+            "remote_lease_expires_at": time.time() + 30, "tp_size": 1}
+    start = time.perf_counter()
+    for i in range(n):
+        signed = prefill.sign_params({**wire, "remote_request_id": f"req-{i}"})
+        decode.verify(Handoff.parse(signed))
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def report_signing(args: argparse.Namespace, results: dict[str, tuple[dict, dict]]) -> None:
+    if len(args.signing) < 2:
+        return
+    cost = signing_cost_us()
+    print(f"\nhand-off signing: sign + check one hand-off costs {cost:.1f} us (this machine, in-process)")
+    for engine, (_colo, pds) in results.items():
+        for mode in args.first_token:
+            on, off = pds[pd_name(mode, "on", args)], pds[pd_name(mode, "off", args)]
+            for rate in args.rates:
+                ratio = on[rate]["ttft_p50"] / off[rate]["ttft_p50"]
+                print(f"{engine:>7} {rate:7.1f} first token from {mode}: TTFT p50 signing on "
+                      f"{on[rate]['ttft_p50'] * 1000:.1f} ms, off {off[rate]['ttft_p50'] * 1000:.1f} ms: "
+                      f"{ratio:.3f}x ({(ratio - 1) * 100:+.1f}%); "
+                      f"the signing itself is {cost / 1e4 / off[rate]['ttft_p50']:.3f}% of that TTFT")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0], help="requests per second")
@@ -248,6 +312,11 @@ def main() -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="P/D (disagg engine): mean TTFT per stage, from the router's and workers' /metrics")
     p.add_argument("--plot", metavar="PNG", help="draw TTFT and ITL CDFs, P/D vs colocated (needs matplotlib)")
+    p.add_argument("--signing", nargs="+", choices=list(SIGNING), default=["on"],
+                   help="P/D with the hand-off key `disagg up` gives its workers (on) or without (off: "
+                        "--no-handoff-signing); both: one after the other, and their TTFT p50 ratio")
+    p.add_argument("--pd-rounds", type=int, default=1, help="start and measure each P/D setup this many times, "
+                   "alternating the --signing settings, and pool their requests (noise on a shared machine)")
     p.add_argument("--first-token", nargs="+", choices=list(FIRST_TOKEN), default=list(FIRST_TOKEN),
                    help="P/D's first token: from the prefill's answer (the router's default), from the decode "
                         "worker (router --no-early-first-token), or both, one after the other")
@@ -276,14 +345,21 @@ def main() -> int:
                 stop(proc)
             pds = {}
             for mode in args.first_token:
-                proc, url, decode = start_pd(tmp, args.connector, engine, model_dir, worker_args, FIRST_TOKEN[mode])
-                try:
-                    pds[mode] = measure(url, args, decode if args.connector == "NixlConnector" else None,
-                                        early=mode == "prefill")
-                finally:
-                    stop(proc)
+                runs: dict[str, list] = {}
+                for round_ in range(args.pd_rounds):  # signing settings alternate, so that drift hits both alike
+                    for signing in (args.signing if round_ % 2 == 0 else args.signing[::-1]):
+                        proc, url, decode = start_pd(tmp, args.connector, engine, model_dir, worker_args,
+                                                     FIRST_TOKEN[mode], SIGNING[signing])
+                        try:
+                            runs.setdefault(pd_name(mode, signing, args), []).append(measure(
+                                url, args, decode if args.connector == "NixlConnector" else None,
+                                early=mode == "prefill"))
+                        finally:
+                            stop(proc)
+                pds.update({name: pooled(r) for name, r in runs.items()})
             results[engine] = colo, pds
     report(args, results)
+    report_signing(args, results)
     return 0
 
 

@@ -36,17 +36,20 @@ class Fleet:
         self.killed: set[str] = set()  # names a test killed on purpose
 
     def worker(self, name: str, role: str, model: str, connector: str | None, lease_s: int = 5,
-               extra: tuple[str, ...] = (), port: int | None = None) -> str:
+               extra: tuple[str, ...] = (), port: int | None = None, env: dict[str, str] | None = None) -> str:
         port = port or free_port()
         argv = [*CLI, "worker", "--role", role, "--model", model, "--port", str(port), *self.worker_flags,
                 *connector_flags(connector, self.log_dir / "kv", lease_s), *extra]
-        return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
+        return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}", env or {}))
 
-    def router(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = (), name: str = "router") -> str:
+    def router(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = (), name: str = "router",
+               env: dict[str, str] | None = None, ca_file: str | None = None) -> str:
+        """`disagg router`; with `ca_file` it serves HTTPS (extra names its --tls-* files) and is probed so."""
         port = free_port()
         argv = [*CLI, "router", "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0.5",
                 "--prefill", *prefill, "--decode", *decode, *extra]
-        return self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{port}"))
+        scheme = "https" if ca_file else "http"
+        return self._start(ProcessSpec(name, argv, f"{scheme}://127.0.0.1:{port}", env or {}, ca_file=ca_file))
 
     def epp(self, prefill: list[str], decode: list[str], extra: tuple[str, ...] = (), name: str = "epp") -> int:
         """`disagg epp` on fresh ports; its ext_proc port is returned (its HTTP status port is its URL)."""
@@ -57,9 +60,11 @@ class Fleet:
         self._start(ProcessSpec(name, argv, f"http://127.0.0.1:{http_port}"))
         return grpc_port
 
-    def envoy(self, picker_port: int, pool: list[str], failure_mode: str = "FailClose", name: str = "envoy") -> str:
+    def envoy(self, picker_port: int, pool: list[str], failure_mode: str = "FailClose", name: str = "envoy",
+              tls: tuple[str, str] | None = None) -> str:
         """A real Envoy as a GIE gateway (gateway/envoy_config.py) in front of `pool` (decode URLs, its
-        fail-open fallback); returns its listener's URL (readiness is its admin's /ready)."""
+        fail-open fallback); returns its listener's URL (readiness is its admin's /ready). `tls`: (certificate,
+        key) its listener serves HTTPS with."""
         import json
         from urllib.parse import urlsplit
 
@@ -69,12 +74,13 @@ class Fleet:
         eds = self.log_dir / f"{name}-pool" / "eds.json"
         eds.parent.mkdir(parents=True, exist_ok=True)
         write_pool_endpoints(eds, [(urlsplit(u).hostname, urlsplit(u).port) for u in pool])
-        c = GatewayConfig("127.0.0.1", free_port(), "127.0.0.1", picker_port, str(eds), free_port(), failure_mode)
+        c = GatewayConfig("127.0.0.1", free_port(), "127.0.0.1", picker_port, str(eds), free_port(), failure_mode,
+                          tls_cert_path=tls[0] if tls else None, tls_key_path=tls[1] if tls else None)
         config = self.log_dir / f"{name}.json"
         config.write_text(json.dumps(build_envoy_config(c)))
         self._start(ProcessSpec(name, envoy_argv(find_envoy(), str(config), concurrency=1),
                                 f"http://127.0.0.1:{c.admin_port}"))
-        return f"http://127.0.0.1:{c.listen_port}"
+        return f"{'https' if tls else 'http'}://127.0.0.1:{c.listen_port}"
 
     def _start(self, spec: ProcessSpec) -> str:
         proc = LocalProcess(spec, self.log_dir)
@@ -84,11 +90,11 @@ class Fleet:
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = {p for p in self.procs.values() if not is_ready(p.spec.url)}
+        pending = {p for p in self.procs.values() if not is_ready(p.spec.url, verify=p.spec.verify())}
         while pending:
             for p in list(pending):
                 assert p.exited() is None, f"{p.spec.name} exited early:\n{p.log_tail(40)}"
-                if is_ready(p.spec.url):
+                if is_ready(p.spec.url, verify=p.spec.verify()):
                     pending.discard(p)
             assert time.monotonic() < deadline, f"not ready: {[p.spec.name for p in pending]}"
             time.sleep(0.1)

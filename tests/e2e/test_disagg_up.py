@@ -85,7 +85,8 @@ def up(request, tmp_path_factory, reference):
         wait_for(lambda: is_ready(reference.spec.url), 120, "the reference worker")
         urls = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text()))
         yield {"launcher": launcher, "router": f"http://127.0.0.1:{port}", "status": f"http://127.0.0.1:{status_port}",
-               "urls": urls, "output": text, "reference": reference.spec.url, "connector": request.param}
+               "urls": urls, "output": text, "reference": reference.spec.url, "connector": request.param,
+               "logs": tmp / "logs"}
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
@@ -117,6 +118,9 @@ def generate(url: str, kind: str, stream: bool) -> str:
 def test_startup_output_and_status(up):
     out = up["output"]()
     assert "prefill-0" in out and "decode-0" in out and f"curl -s {up['router']}/v1/completions" in out
+    assert "hand-offs: signed with a key made for this run" in out
+    for worker in ("prefill-0", "decode-0"):  # the run's key reached every worker: the parity below is signed P/D
+        assert "hand-offs signed and checked for local/" in (up["logs"] / f"{worker}.log").read_text()
     assert httpx.get(f"{up['status']}/ready").status_code == 200
     assert httpx.get(f"{up['router']}/v1/models").json()["data"][0]["id"] == "tiny-llama"
 

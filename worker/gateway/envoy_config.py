@@ -1,6 +1,6 @@
 """Envoy configured as a Gateway API Inference Extension gateway implementation configures it (pure: a dict).
 
-    client -> listener -> header_mutation (drop client-sent routing headers) -> ext_proc (our endpoint picker,
+    client -> listener (HTTPS with a certificate given) -> header_mutation (drop client-sent routing headers) -> ext_proc (our endpoint picker,
     request headers + the buffered body) -> router:
         picked (envoy.lb dynamic metadata)  -> cluster "picked": ORIGINAL_DST, x-gateway-destination-endpoint
         not picked (the picker failed open) -> cluster "pool": the InferencePool's endpoints, round robin
@@ -39,6 +39,12 @@ class GatewayConfig:
     failure_mode: FailureMode = "FailClose"
     picker_timeout_s: float = 10.0  # one ext_proc message (the picker may wait for a starting pod)
     connect_timeout_s: float = 5.0  # to a model server
+    tls_cert_path: str | None = None  # the listener serves HTTPS with this certificate (chain) and key, PEM files
+    tls_key_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("GatewayConfig: tls_cert_path and tls_key_path go together")
 
 
 def _cluster_address(host: str, port: int) -> dict[str, Any]:
@@ -60,6 +66,14 @@ def _ext_proc_filter(c: GatewayConfig) -> dict[str, Any]:
     if c.failure_mode == "FailClose":
         ext_proc["status_on_error"] = {"code": "ServiceUnavailable"}
     return {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}
+
+
+def _downstream_tls(c: GatewayConfig) -> dict[str, Any]:
+    """The listener's TLS (Envoy reads the files at start; a plaintext request gets its connection closed)."""
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+        "common_tls_context": {"tls_certificates": [{"certificate_chain": {"filename": c.tls_cert_path},
+                                                     "private_key": {"filename": c.tls_key_path}}]}}}
 
 
 def _strip_picker_headers() -> dict[str, Any]:
@@ -98,10 +112,13 @@ def build_envoy_config(c: GatewayConfig) -> dict[str, Any]:
             "path_config_source": {"path": c.pool_eds_path,
                                    "watched_directory": {"path": str(Path(c.pool_eds_path).parent)}}}}},
     ]
+    chain: dict[str, Any] = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                          "typed_config": hcm}]}
+    if c.tls_cert_path is not None:
+        chain["transport_socket"] = _downstream_tls(c)
     listener = {"name": "gateway", "address": {"socket_address": {"address": c.listen_host,
                                                                   "port_value": c.listen_port}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": hcm}]}]}
+                "filter_chains": [chain]}
     return {"node": {"id": "disagg-gateway", "cluster": "disagg-gateway"},  # a file EDS source needs both
             "static_resources": {"listeners": [listener], "clusters": clusters},
             "admin": {"address": {"socket_address": {"address": c.listen_host, "port_value": c.admin_port}}}}

@@ -27,6 +27,7 @@ STOP_HANG_S = 10.0  # grpcio's stop() has hung (a peer closing in the same insta
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from disagg.worker.api_keys import add_client_key_arguments
     from disagg.worker.router.routing import add_routing_arguments
 
     add_routing_arguments(p)
@@ -36,27 +37,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /health, /ready, /endpoints, /metrics")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds the requests in flight keep their streams after SIGTERM")
+    add_client_key_arguments(p)
     p.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from disagg.worker.api_keys import client_keys
     from disagg.worker.router.routing import build_routing
 
     try:
         routing = build_routing(args, metrics_role="epp")
+        keys = client_keys(args.api_key_file)
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     try:
-        return asyncio.run(_serve(args, routing))
+        return asyncio.run(_serve(args, routing, keys))
     except OSError as e:  # a port in use
         logger.error("%s", e)
         return 1
 
 
-async def _serve(args: argparse.Namespace, routing: Any) -> int:
+async def _serve(args: argparse.Namespace, routing: Any, keys: Any) -> int:
     import grpc
     import uvicorn
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -64,7 +68,7 @@ async def _serve(args: argparse.Namespace, routing: Any) -> int:
     from grpc_health.v1 import _async as health_async, health_pb2, health_pb2_grpc
 
     from disagg.worker.gateway.ext_proc import EndpointPickerService
-    from disagg.worker.gateway.picker import RoutingPicker
+    from disagg.worker.gateway.picker import AuthenticatingPicker, RoutingPicker
     from disagg.worker.router.app import add_status_routes
 
     stop = asyncio.Event()
@@ -72,7 +76,9 @@ async def _serve(args: argparse.Namespace, routing: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with routing.running() as state:
-        picker = RoutingPicker(state)
+        picker: Any = RoutingPicker(state)
+        if keys is not None or routing.worker_api_key:
+            picker = AuthenticatingPicker(picker, keys, routing.worker_api_key)
         server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(EndpointPickerService(picker), server)
         server.add_insecure_port(f"{args.host}:{args.grpc_port}")

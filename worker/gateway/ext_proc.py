@@ -5,7 +5,8 @@ headers with "continue" and the body with where to send the request:
   - header `x-gateway-destination-endpoint: ip:port` (what Envoy's ORIGINAL_DST cluster routes to), the same in
     dynamic metadata `envoy.lb` (what other GIE gateways read), and for P/D `x-prefiller-host-port` naming the
     prefill endpoint the decode side calls; client-sent copies of either are removed;
-  - or an immediate response: 503 when nothing is ready, 429 when the picker sheds load.
+  - or an immediate response: 503 when nothing is ready, 429 when the picker sheds load, 401 without a valid
+    client API key (gateway/picker.AuthenticatingPicker).
 A request without a body (GET /v1/models) is routed at its headers. A subset hint (filter metadata
 `envoy.lb.subset_hint`, key `x-gateway-destination-endpoint-subset`: a list of "ip:port") limits the choice.
 
@@ -95,10 +96,13 @@ def routed(pick: Pick, at_headers: bool) -> ep.ProcessingResponse:
 
 
 def refused(pick: Pick) -> ep.ProcessingResponse:
-    """An immediate response in the OpenAI error shape (503 nothing ready, 429 shed)."""
-    kind = {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(pick.status, "error")
+    """An immediate response in the OpenAI error shape (503 nothing ready, 429 shed, 401 no valid API key)."""
+    kind = {401: "authentication_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}.get(pick.status,
+                                                                                                    "error")
     body = json.dumps({"error": {"message": pick.message, "type": kind, "param": None, "code": pick.status}})
     headers = [_set("content-type", "application/json")]
+    if pick.status == 401:
+        headers.append(_set("www-authenticate", "Bearer"))
     if pick.retry_after_s is not None:
         headers.append(_set("retry-after", str(pick.retry_after_s)))
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(

@@ -88,6 +88,32 @@ class RoutingPicker:
         return decode
 
 
+class AuthenticatingPicker:
+    """A picker behind client API keys (api_keys.py): a request without one of `keys` is answered 401 by the
+    gateway at once (never routed); a routed one carries the workers' key (`worker_key`) instead of the
+    client's, which the workers never see. The probes' paths stay open."""
+
+    def __init__(self, picker: Any, keys: Any, worker_key: str | None):
+        self.picker, self.keys, self.worker_key = picker, keys, worker_key
+
+    async def pick(self, request: PickRequest) -> Pick:
+        from disagg.worker.api_keys import OPEN_PATHS
+
+        path = request.path.split("?", 1)[0]
+        problem = self.keys.problem(request.headers.get("authorization")) \
+            if self.keys is not None and path not in OPEN_PATHS else None
+        if problem is not None:
+            self.picker.state.metrics.request("unauthorized")
+            return Pick(status=401, message=problem)
+        pick = await self.picker.pick(request)
+        if pick.status == 200 and self.worker_key:
+            pick.headers["authorization"] = f"Bearer {self.worker_key}"
+        return pick
+
+    def done(self, pick: Pick) -> None:
+        self.picker.done(pick)
+
+
 def _json_object(body: bytes) -> dict[str, Any] | None:
     """The request body when it is a JSON object; else None (the worker answers the bad request itself)."""
     try:

@@ -44,6 +44,23 @@ def replay_endpoint_for(endpoint: str) -> str:
         raise ValueError(f"--kv-events-endpoint {endpoint!r}: the port {port!r} is not a number") from None
 
 
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def bind_endpoint(endpoint: str, worker_host: str) -> str:
+    """The address to bind for `--kv-events-endpoint`: without a host (tcp://:5557) the worker's own --host when
+    that names one address, else loopback - never every interface unless asked for by name (tcp://*:5557)."""
+    if endpoint.startswith("tcp://:"):
+        host = "127.0.0.1" if worker_host in WILDCARD_HOSTS or not worker_host else worker_host
+        return f"tcp://{host}{endpoint[len('tcp://'):]}"
+    return endpoint
+
+
+def binds_every_interface(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in WILDCARD_HOSTS
+
+
 def _bind_address(endpoint: str) -> str:
     # zmq spells "any port" tcp://host:*; accept :0 as well (as the rest of the CLI does)
     return endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint

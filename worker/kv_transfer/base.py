@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the scheduler side never imports torch
 
     from disagg.worker.outputs import ConnectorRequest, SchedulerOutput
     from disagg.worker.kv_transfer.handoff import Handoff
+    from disagg.worker.kv_transfer.handoff_auth import HandoffSigner
 
 
 class KVConnectorRole(enum.Enum):
@@ -49,6 +50,9 @@ class KVTransferConfig:
     engine_id: str = ""  # unique per engine; filled in by the engine when empty
     kv_load_failure_policy: str = "recompute"  # recompute | fail
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)  # connector-specific
+    # authenticates the connector's own channels between the pods of one resource (NIXL: the side channel and
+    # notifications); a handoff_auth.HandoffSigner, None when no hand-off key is configured
+    auth: "HandoffSigner | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

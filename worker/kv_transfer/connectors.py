@@ -43,7 +43,8 @@ class ConnectorDeclaration:
 
 _SIDE_CHANNEL_HOST = ConnectorSetting(
     "--kv-side-channel-host", "side_channel_host", str,
-    "NIXL side channel address: bound, and advertised to decode workers", "advertise_host")
+    "NIXL side channel address: bound, and advertised to decode workers (default 127.0.0.1; give the pod's "
+    "address, not 0.0.0.0)", "advertise_host")
 _SIDE_CHANNEL_PORT = ConnectorSetting(
     "--kv-side-channel-port", "side_channel_port", int, "NIXL side channel port", "side_channel_port")
 _SHARED_STORAGE_PATH = ConnectorSetting(

@@ -19,6 +19,7 @@ import base64
 import binascii
 import dataclasses
 import hashlib
+import heapq
 import hmac
 import json
 import os
@@ -34,6 +35,9 @@ KEY_FILE_ENV = "DISAGG_HANDOFF_KEY_FILE"
 RESOURCE_ENV = "DISAGG_HANDOFF_RESOURCE"  # "<namespace>/<name>" of the resource the pods serve
 MIN_KEY_BYTES = 16
 TOKEN_SKEW_S = 60.0  # a side-channel token older (or newer) than this is refused
+# GET /metadata of the NIXL side channel: who asks (its NIXL agent name) and its token("metadata", that name)
+AGENT_HEADER = "X-Disagg-Agent"
+TOKEN_HEADER = "X-Disagg-Token"
 
 
 class HandoffRejected(ValueError):
@@ -60,7 +64,8 @@ def _canonical(resource: str, remote: RemoteKV) -> bytes:
 class HandoffSigner:
     key: bytes = field(repr=False)
     resource: str  # "<namespace>/<name>" (or the local run's name)
-    _seen: dict[str, float] = field(default_factory=dict, repr=False)  # signature -> its lease end (replays)
+    _seen: set[str] = field(default_factory=set, repr=False)  # signatures acted on whose lease runs (replays)
+    _ends: list[tuple[float, str]] = field(default_factory=list, repr=False)  # heap: (lease end, signature)
 
     def __post_init__(self) -> None:
         if len(self.key) < MIN_KEY_BYTES:
@@ -106,11 +111,22 @@ class HandoffSigner:
         self._forget(now)
         if handoff.signature in self._seen:
             raise HandoffRejected(f"kv_transfer_params.{SIGNATURE_KEY}: this hand-off was used already (a replay)")
-        self._seen[handoff.signature] = remote.lease_expires_at
+        self._seen.add(handoff.signature)
+        heapq.heappush(self._ends, (remote.lease_expires_at, handoff.signature))
+
+    def sign_params(self, params: dict) -> dict:
+        """A prefill answer's kv_transfer_params (JSON), signed when they name remote KV with a lease end;
+        anything else (no remote KV) unchanged."""
+        handoff = Handoff.parse(params)
+        if handoff.remote is None or handoff.remote.lease_expires_at is None:
+            return params
+        return self.sign(handoff).to_wire()
 
     def _forget(self, now: float) -> None:
-        for signature in [s for s, end in self._seen.items() if end <= now]:
-            del self._seen[signature]
+        """Drop the signatures whose lease ended (an expired hand-off is refused anyway): O(log n) each, so a
+        decode worker's check costs the same at any request rate."""
+        while self._ends and self._ends[0][0] <= now:
+            self._seen.discard(heapq.heappop(self._ends)[1])
 
     # ---------------------------------------------------------------- side channel and notifications
     def token(self, purpose: str, subject: str, now: float | None = None) -> str:
@@ -128,6 +144,24 @@ class HandoffSigner:
         expected = hmac.new(self.key, f"{VERSION}|{self.resource}|{purpose}|{subject}|{ts}".encode(),
                             hashlib.sha256).hexdigest()
         return abs(age) <= TOKEN_SKEW_S and hmac.compare_digest(mac, expected)
+
+    def notification(self, request_id: str, agent: str, now: float | None = None) -> bytes:
+        """The message a READ carries to the prefill side: the request id, and a token that only a holder of
+        the key can make for (request id, the reading agent's NIXL name)."""
+        return f"{VERSION}|{self.token('notif', _pair(request_id, agent), now)}|{request_id}".encode()
+
+    def check_notification(self, msg: bytes, sender: str, now: float | None = None) -> str | None:
+        """The request id a notification from NIXL agent `sender` releases, or None when it is not one of
+        `notification`'s for that very agent (a stranger's, or another agent's token replayed)."""
+        version, _, rest = msg.decode("utf-8", "replace").partition("|")
+        token, _, request_id = rest.partition("|")
+        if version != VERSION or not request_id:
+            return None
+        return request_id if self.check_token(token, "notif", _pair(request_id, sender), now) else None
+
+
+def _pair(request_id: str, agent: str) -> str:
+    return json.dumps([request_id, agent])  # unambiguous whatever either contains
 
 
 def decode_key(text: str, source: str) -> bytes:

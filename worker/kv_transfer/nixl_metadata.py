@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.worker.kv_transfer.base import KVTransferConfig
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS  # extra config lease_seconds
@@ -26,6 +27,7 @@ class NixlSettings:
     bind_host: str  # side channel bind address
     port: int  # side channel port
     advertise_host: str  # what peers dial
+    auth: Any = None  # handoff_auth.HandoffSigner: side-channel tokens and signed notifications; None: open
 
     @staticmethod
     def from_config(config: KVTransferConfig) -> NixlSettings:
@@ -44,6 +46,7 @@ class NixlSettings:
             bind_host=bind_host,
             port=int(extra["side_channel_port"]),
             advertise_host=socket.gethostbyname(socket.gethostname()) if advertise == "0.0.0.0" else advertise,
+            auth=config.auth,
         )
 
 

@@ -26,6 +26,9 @@ NIXL_METRICS = (
                     "num_failed_transfers"),
     ConnectorMetric(names.NIXL_EXPIRED_REQS, "counter", "Requests whose KV blocks expired unread (lease).",
                     "num_kv_expired_reqs"),
+    ConnectorMetric(names.KV_NOTIFICATIONS_REJECTED, "counter", "KV notifications ignored: not signed for the "
+                    "NIXL agent that sent them (a stranger, or another reader's token).",
+                    "num_notifications_rejected"),
     kv_bytes_loaded("bytes"),
 )
 

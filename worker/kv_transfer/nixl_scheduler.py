@@ -99,8 +99,9 @@ class NixlConnectorScheduler:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-handshake")
             timeout = self.settings.handshake_timeout
             # the socket timeout bounds each operation (connect, send, read); the deadline bounds them together
-            self._handshakes[key] = (self._executor.submit(fetch_engine_metadata, *key, timeout),
-                                     time.monotonic() + HANDSHAKE_DEADLINE_FACTOR * timeout)
+            fetch = self._executor.submit(fetch_engine_metadata, *key, timeout, self.settings.auth,
+                                          self.settings.engine_id)  # our NIXL agent's name is the engine id
+            self._handshakes[key] = (fetch, time.monotonic() + HANDSHAKE_DEADLINE_FACTOR * timeout)
             return None
         if not future.done():
             if time.monotonic() < deadline:

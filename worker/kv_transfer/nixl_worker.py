@@ -54,6 +54,7 @@ class NixlConnectorWorker:
         self._new_errors: set[int] = set()
         self._new_sending: set[str] = set()
         self._num_expired = 0  # leases that ran out since the last stats
+        self._num_rejected_notifs = 0  # notifications ignored since the last stats (not from the KV's reader)
         self._inbox: queue.SimpleQueue[NixlConnectorMetadata] = queue.SimpleQueue()  # engine -> progress thread
         self._lock = threading.Lock()  # guards the four results below (progress thread -> engine)
         self._landed = threading.Event()  # set when a read's result (done or failed) was published
@@ -64,7 +65,7 @@ class NixlConnectorWorker:
         s = self.settings
         self.transport = NixlTransport(s.engine_id, self.kv_cache_spec, kv_caches["kv_cache"])
         self.transport.register()
-        self.side_channel = SideChannelServer(self.transport.local_metadata(), s.bind_host, s.port)
+        self.side_channel = SideChannelServer(self.transport.local_metadata(), s.bind_host, s.port, s.auth)
         logger.info("NIXL connector: engine %s, %s KV registered, side channel %s:%d (advertised %s)",
                     s.engine_id, self.transport.device_kind, s.bind_host, s.port, s.advertise_host)
         self._progress_thread = ProgressThread(self._progress, name=f"nixl-progress-{s.engine_id[:8]}")
@@ -144,7 +145,9 @@ class NixlConnectorWorker:
             if lease_over(load.lease_expires_at, self.settings.lease_margin):
                 raise TimeoutError("the prefill engine's lease on this KV ran out before the read")
             self.transport.add_peer(load.peer)
-            msg = load.remote_request_id.encode()
+            auth = self.settings.auth  # with a key: only this agent's notification releases the prefill's blocks
+            msg = auth.notification(load.remote_request_id, self.transport.agent_name) if auth is not None \
+                else load.remote_request_id.encode()
             if load.local_block_ids:
                 handle = self.transport.start_read(load.peer.engine_id, load.local_block_ids,
                                                    load.remote_block_ids, msg)
@@ -181,9 +184,17 @@ class NixlConnectorWorker:
                 self._new_recving.add(req_id)
 
     def _take_notifs(self, now: float) -> None:
-        """A reader's notification ends a send; one that arrives before its send record waits for it."""
-        for _agent, msg in self.transport.get_new_notifs():
-            req_id = msg.decode(errors="replace")
+        """A reader's notification ends a send; one that arrives before its send record waits for it. With a
+        hand-off key only a notification signed for the very agent NIXL says sent it counts: any other is
+        ignored (the blocks stay for their reader, or until the lease ends) and counted."""
+        auth = self.settings.auth
+        for agent, msg in self.transport.get_new_notifs():
+            req_id = msg.decode(errors="replace") if auth is None else auth.check_notification(msg, agent)
+            if req_id is None:
+                self._num_rejected_notifs += 1
+                logger.warning("ignored a KV notification from agent %r: not signed for that agent (%r)",
+                               agent[:80], msg[:80])
+                continue
             if self._sends.pop(req_id, None) is not None:
                 self._new_sending.add(req_id)
             else:
@@ -204,7 +215,9 @@ class NixlConnectorWorker:
     def _drain_stats(self) -> dict[str, Any] | None:
         stats = self.transport.drain_stats()
         stats["num_kv_expired_reqs"], self._num_expired = self._num_expired, 0
-        if not stats["bytes"] and not stats["num_failed_transfers"] and not stats["num_kv_expired_reqs"]:
+        stats["num_notifications_rejected"], self._num_rejected_notifs = self._num_rejected_notifs, 0
+        if not stats["bytes"] and not any(stats[k] for k in ("num_failed_transfers", "num_kv_expired_reqs",
+                                                              "num_notifications_rejected")):
             return None
         return stats
 

@@ -5,6 +5,10 @@ fetches `GET /metadata` once, and from then on talks to the prefill engine over 
 The body is JSON (agent metadata base64-encoded) carrying a protocol version, so two builds
 that disagree on the wire format fail with a clear error instead of misreading fields.
 
+With a hand-off key (handoff_auth.py) a request must carry the asking engine's NIXL agent name and a fresh
+token for it (X-Disagg-Agent, X-Disagg-Token): a peer without the key gets a 403 and no metadata, so it cannot
+load this engine's agent and READ its registered memory. Without a key anyone who reaches the port can.
+
 Stdlib only (http.server / http.client): the worker must not pull a web stack into the
 model-runner process just for this, and curl can read it when debugging.
 """
@@ -23,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from disagg.worker.kv_transfer.base import KVCacheSpec
+from disagg.worker.kv_transfer.handoff_auth import AGENT_HEADER, TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,10 @@ class MalformedMetadata(SideChannelError):
 
 class ProtocolVersionMismatch(SideChannelError):
     """The peer speaks another side-channel protocol version."""
+
+
+class SideChannelForbidden(SideChannelError):
+    """The peer refused our token (another hand-off key, or none where it wants one)."""
 
 
 def compat_fields(
@@ -158,6 +167,13 @@ class _MetadataHandler(http.server.BaseHTTPRequestHandler):
         if self.path != METADATA_PATH:
             self.send_error(404, f"only {METADATA_PATH} is served")
             return
+        auth = self.server.auth
+        agent = self.headers.get(AGENT_HEADER, "")
+        if auth is not None and not auth.check_token(self.headers.get(TOKEN_HEADER, ""), "metadata", agent):
+            logger.warning("side channel: refused %s (agent %r): no valid %s", self.address_string(), agent[:80],
+                           TOKEN_HEADER)
+            self.send_error(403, f"a valid {TOKEN_HEADER} for the {AGENT_HEADER} is required")
+            return
         body = self.server.metadata.to_json()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -173,16 +189,19 @@ class _MetadataHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = True  # server_close() joins handler threads: nothing outlives close()
     metadata: EngineMetadata
+    auth: Any  # handoff_auth.HandoffSigner, or None: anyone may read the metadata
 
 
 class SideChannelServer:
     """Serves one EngineMetadata at http://host:port/metadata from a background thread.
 
-    port=0 picks a free port; read the chosen one from `.port` after construction."""
+    port=0 picks a free port; read the chosen one from `.port` after construction. `auth` (a HandoffSigner):
+    only askers with a token of the same key get the metadata."""
 
-    def __init__(self, metadata: EngineMetadata, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, metadata: EngineMetadata, host: str = "127.0.0.1", port: int = 0, auth: Any = None):
         self._httpd = _MetadataHTTPServer((host, port), _MetadataHandler)
         self._httpd.metadata = metadata
+        self._httpd.auth = auth
         self.host = host
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
@@ -211,12 +230,15 @@ class SideChannelServer:
         self.close()
 
 
-def fetch_engine_metadata(host: str, port: int, timeout: float = 5.0) -> EngineMetadata:
-    """GET the peer's metadata; raises a SideChannelError subclass naming host:port."""
+def fetch_engine_metadata(host: str, port: int, timeout: float = 5.0, auth: Any = None,
+                          agent: str = "") -> EngineMetadata:
+    """GET the peer's metadata (as NIXL agent `agent`, with a token of `auth`'s key when given); raises a
+    SideChannelError subclass naming host:port."""
     source = f"{host}:{port}"
+    headers = {AGENT_HEADER: agent, TOKEN_HEADER: auth.token("metadata", agent)} if auth is not None else {}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", METADATA_PATH)
+        conn.request("GET", METADATA_PATH, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()
     except (socket.timeout, TimeoutError):
@@ -227,6 +249,9 @@ def fetch_engine_metadata(host: str, port: int, timeout: float = 5.0) -> EngineM
         raise SideChannelUnreachable(f"side channel {source}: {type(e).__name__}: {e}") from None
     finally:
         conn.close()
+    if resp.status == 403:
+        raise SideChannelForbidden(f"side channel {source}: our token was refused (HTTP 403): the prefill engine "
+                                   "has another hand-off key, or this one has none")
     if resp.status != 200:
         raise MalformedMetadata(f"side channel {source}: HTTP {resp.status} {resp.reason}")
     return EngineMetadata.from_json(raw, source)

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from disagg.operator.plan import check_local, initial_replicas, local_router_com
 from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
 )
+from disagg.worker.local.self_signed import write_self_signed
 
 logger = logging.getLogger("disagg.launcher")
 
@@ -44,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeat)")
     p.add_argument("--vllm", metavar="PATH", help="engine vllm: the `vllm` executable (default: $DISAGG_VLLM, "
                    "else `vllm` on PATH)")
+    p.add_argument("--tls", action="store_true",
+                   help="serve the router over HTTPS with a self-signed certificate made for this run (in the log "
+                        "directory; clients trust it by name: curl --cacert)")
+    p.add_argument("--no-handoff-signing", action="store_true",
+                   help="give the workers no hand-off key: they neither sign nor check P/D hand-offs (only to "
+                        "measure what signing costs; never where anyone else reaches the workers)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -121,12 +129,22 @@ def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = No
     return "|".join(",".join(str(c) for c in rank) for rank in per_rank)
 
 
+def handoff_env(name: str) -> dict[str, str]:
+    """A fresh hand-off key for one run, as every worker process of it gets it (what the operator's Secret is for
+    the pods of a resource): the workers sign and check each P/D hand-off and their KV side channels with it."""
+    from disagg.worker.kv_transfer.handoff_auth import KEY_ENV, RESOURCE_ENV, new_key
+
+    return {KEY_ENV: new_key(), RESOURCE_ENV: f"local/{name}"}
+
+
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
-                worker_args: list[str] = (), vllm_executable: str | None = None) -> ProcessSpec:
+                worker_args: list[str] = (), vllm_executable: str | None = None, *,
+                handoff: Mapping[str, str] | None = None) -> ProcessSpec:
     """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's plan with
-    this machine's placement. Engine disagg runs with this interpreter, engine vllm with `vllm_executable`."""
+    this machine's placement. Engine disagg runs with this interpreter, engine vllm with `vllm_executable`.
+    `handoff`: the run's hand-off key variables (handoff_env); a key the spec's env names takes precedence."""
     worker = local_worker(spec, role, host=host, port_for=port_for, model_dir=model_dir, kv_dir=kv_dir)
-    env = dict(worker.env)
+    env = {**(handoff or {}), **worker.env}
     if spec.engine == "vllm" and VLLM_CPU_BIND not in env and VLLM_CPU_BIND not in os.environ:
         env[VLLM_CPU_BIND] = vllm_cpu_bind(spec, role, index)
     program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
@@ -136,32 +154,39 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
 
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
          worker_args: list[str] = (), endpoints_file: str | None = None,
-         vllm_executable: str | None = None) -> list[ProcessSpec]:
+         vllm_executable: str | None = None, *, handoff: Mapping[str, str] | None = None,
+         router_tls: tuple[str, str] | None = None) -> list[ProcessSpec]:
     """Workers first, the router last (it is started once the workers are up). With `endpoints_file` the router
-    follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line."""
-    procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable)
+    follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line.
+    `router_tls`: (certificate, key) the router serves HTTPS with."""
+    procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable,
+                         handoff=handoff)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
     router = local_router_command(spec, host=host, port=router_port, probe_interval_s=ROUTER_PROBE_INTERVAL_S,
                                   endpoints_file=endpoints_file,
                                   prefill_urls=[p.url for p in procs if p.role == "prefill"],
                                   decode_urls=[p.url for p in procs if p.role == "decode"])
-    procs.append(ProcessSpec("router", [*CLI, *router[1:]], f"http://{host}:{router_port}", role="router"))
+    tls = ["--tls-cert-file", router_tls[0], "--tls-key-file", router_tls[1]] if router_tls else []
+    scheme = "https" if router_tls else "http"
+    procs.append(ProcessSpec("router", [*CLI, *router[1:], *tls], f"{scheme}://{host}:{router_port}", role="router",
+                             ca_file=router_tls[0] if router_tls else None))
     return procs
 
 
-def curl_example(url: str, model: str) -> str:
+def curl_example(url: str, model: str, ca_file: str | None = None) -> str:
     body = json.dumps({"model": model, "prompt": "Hello, world", "max_tokens": 16, "temperature": 0})
-    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    trust = f" --cacert {ca_file}" if ca_file else ""
+    return f"curl -s{trust} {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 FIRST_REQUEST_TIMEOUT_S = 60.0
 
 
-def first_request(url: str, model: str) -> str:
+def first_request(url: str, model: str, verify: Any = True) -> str:
     """The curl example's request, sent once through the router: shows the whole P/D flow working."""
     body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "temperature": 0}
     try:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=FIRST_REQUEST_TIMEOUT_S)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=FIRST_REQUEST_TIMEOUT_S, verify=verify)
     except httpx.HTTPError as e:
         return f"request failed: {type(e).__name__}: {e}"
     return r.text if r.status_code != 200 else json.dumps({"choices": r.json()["choices"], "usage": r.json()["usage"]})
@@ -208,13 +233,21 @@ def run(args: argparse.Namespace) -> int:
 
     kv_dir = str(log_dir / "kv")
     endpoints_file = log_dir / "endpoints.json"  # the router follows it; the WorkerSet rewrites it as it scales
+    handoff = {} if args.no_handoff_signing else handoff_env(name)  # one key per run, never written to disk
+    try:
+        tls = tuple(map(str, write_self_signed(log_dir, [args.host]))) if args.tls else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file),
-                 vllm)
+                 vllm, handoff=handoff, router_tls=tls)
     router = LocalProcess(specs[-1], log_dir)
     workers = WorkerSet(
-        lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg, vllm),
+        lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg, vllm,
+                                    handoff=handoff),
         log_dir, endpoints_file, router.spec.url, say, leave_timeout_s=3 * ROUTER_PROBE_INTERVAL_S + 2,
-        grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds))
+        grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds),
+        router_verify=router.spec.verify())
     autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.enabled else None
     stop, ready = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -234,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
     scaling = (f", autoscaling every {spec.autoscaling.interval_seconds}s"
                f"{' (dry run)' if spec.autoscaling.dry_run else ''}" if autoscaler else "")
     say(f"disagg up: {name} - {counts['prefill']} prefill + {counts['decode']} decode workers + router, "
-        f"engine {spec.engine}{f' ({vllm})' if vllm else ''}, {spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}")
+        f"engine {spec.engine}{f' ({vllm})' if vllm else ''}, {spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}\n"
+        f"  hand-offs: {'signed with a key made for this run' if handoff else 'NOT signed (--no-handoff-signing)'}"
+        + (f"\n  TLS: self-signed certificate {tls[0]}" if tls else ""))
     code = 0
     try:
         first = [LocalProcess(s, log_dir) for s in specs[:-1]]
@@ -250,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
             return 0 if stop.is_set() else 1
         ready.set()
         say(f"\nserving {spec.model.served_name} at {router.spec.url}  (Ctrl-C to stop)\n"
-            f"  {curl_example(router.spec.url, spec.model.served_name)}")
-        say(f"  -> {first_request(router.spec.url, spec.model.served_name)}\n")
+            f"  {curl_example(router.spec.url, spec.model.served_name, router.spec.ca_file)}")
+        say(f"  -> {first_request(router.spec.url, spec.model.served_name, router.spec.verify())}\n")
         code = _supervise(router, workers, autoscaler, spec.autoscaling.interval_seconds, stop, say)
     finally:
         say("stopping ...")

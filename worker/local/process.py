@@ -24,12 +24,13 @@ PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------- ports and readiness (also used by tests)
-def is_ready(url: str, timeout: float = 1.0) -> bool:
-    """GET /ready; a server without one (vLLM: 404) is ready when its /health answers 200."""
+def is_ready(url: str, timeout: float = 1.0, verify: Any = True) -> bool:
+    """GET /ready; a server without one (vLLM: 404) is ready when its /health answers 200. `verify`: httpx's,
+    for an HTTPS server (an ssl context trusting its certificate)."""
     try:
-        code = httpx.get(f"{url}/ready", timeout=timeout).status_code
+        code = httpx.get(f"{url}/ready", timeout=timeout, verify=verify).status_code
         if code == 404:
-            code = httpx.get(f"{url}/health", timeout=timeout).status_code
+            code = httpx.get(f"{url}/health", timeout=timeout, verify=verify).status_code
         return code == 200
     except httpx.HTTPError:
         return False
@@ -43,6 +44,13 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     role: str = ""  # prefill | decode | router
     kv_events: dict | None = None  # where it publishes KV-cache events (for the router's endpoints file)
+    ca_file: str | None = None  # an HTTPS server's certificate, to verify it by (disagg up --tls)
+
+    def verify(self) -> Any:
+        """httpx's verify= for this process's URL."""
+        from disagg.worker.local.self_signed import client_context
+
+        return client_context(self.ca_file) if self.ca_file else True
 
 
 
@@ -101,7 +109,7 @@ def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.E
                 say(f"  {p.spec.name} exited with status {rc} while starting; last log lines "
                     f"({p.log_path}):\n{p.log_tail()}")
                 return False
-            if is_ready(p.spec.url, timeout=0.5):
+            if is_ready(p.spec.url, timeout=0.5, verify=p.spec.verify()):
                 pending.remove(p)
                 say(f"  {p.spec.name:<10} ready  {p.spec.url}  ({time.monotonic() - p.started_at:.1f}s)")
         if time.monotonic() > deadline:

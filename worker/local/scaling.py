@@ -38,11 +38,13 @@ class WorkerSet:
 
     def __init__(self, new_worker: Callable[[str, int], ProcessSpec], log_dir: Path, endpoints_file: Path,
                  router_url: str, say: Callable[[str], None], *, leave_timeout_s: float = 5.0,
-                 grace_s: Callable[[str], float] = lambda role: 120.0, clock: Callable[[], float] = time.monotonic):
+                 grace_s: Callable[[str], float] = lambda role: 120.0, clock: Callable[[], float] = time.monotonic,
+                 router_verify: Any = True):
         self.new_worker = new_worker  # (role, index) -> the process to start on fresh ports
         self.log_dir = log_dir
         self.endpoints_file = endpoints_file
         self.router_url = router_url
+        self.router_verify = router_verify  # httpx's verify= for an HTTPS router (disagg up --tls)
         self.say = say
         self.leave_timeout_s = leave_timeout_s  # SIGTERM even if the router still lists it after this
         self.grace_s = grace_s  # role -> seconds a draining worker gets before it is killed
@@ -124,7 +126,7 @@ class WorkerSet:
 
     def _router_lists(self, url: str) -> bool:
         try:
-            body = httpx.get(f"{self.router_url}/endpoints", timeout=1.0).json()
+            body = httpx.get(f"{self.router_url}/endpoints", timeout=1.0, verify=self.router_verify).json()
         except (httpx.HTTPError, ValueError):
             return True  # unknown: wait for the timeout
         return any(e.get("url") == url for role in ROLES for e in body.get(role, []))

@@ -9,6 +9,7 @@ from typing import Any
 
 import uvicorn
 
+from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
 from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing
 
 logger = logging.getLogger("disagg.worker.router")
@@ -23,7 +24,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a decode hop that fails is then a 5xx status, not an SSE error event after that token)")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for open requests after SIGTERM")
+    add_client_key_arguments(p)
+    p.add_argument("--tls-cert-file", metavar="PEM", help="serve HTTPS with this certificate (chain); needs "
+                   "--tls-key-file")
+    p.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key")
     p.add_argument("--log-level", default="INFO")
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's ssl options from --tls-cert-file/--tls-key-file (both or neither; ValueError otherwise)."""
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    return {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} if args.tls_cert_file else {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,11 +45,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         routing = build_routing(args, early_first_token=args.early_first_token)
+        keys = client_keys(args.api_key_file)
+        tls = tls_options(args)
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     state = routing.state
     app = build_app(state)
+    if keys is not None:
+        app.add_middleware(RequireApiKey, keys=keys)
+    else:
+        logger.info("no API key (--api-key-file, $DISAGG_API_KEY): anyone who reaches this router may use it")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:
@@ -48,6 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
     app.router.lifespan_context = lifespan
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                    timeout_graceful_shutdown=args.drain_timeout, access_log=False))
+                                           timeout_graceful_shutdown=args.drain_timeout, access_log=False, **tls))
     server.run()
     return 0 if server.started else 1

@@ -5,7 +5,9 @@ vLLM pod does what our worker does natively:
   - decode: a hand-off is checked before vLLM sees it (a missing, forged, expired, replayed or other-resource one
     is a 403 and vLLM connects nowhere); a gateway's request naming a prefill endpoint (x-prefiller-host-port)
     gets its prefill hop here (decode_side.py: only to a prefill pod of this resource), then vLLM decodes;
-  - /ready turns 503 at SIGTERM (vLLM has no /ready), everything else passes through to vLLM unchanged.
+  - /ready turns 503 at SIGTERM (vLLM has no /ready), everything else passes through to vLLM unchanged;
+  - the client's Authorization passes through (vLLM checks its own --api-key / $VLLM_API_KEY), on the prefill
+    hop too.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import uuid
 from typing import Any
 
 import httpx
-from fastapi import Request  # FastAPI resolves the handlers' (string) annotations here: else a 422 on every route
+from fastapi import Request  # at module level: the routes' annotations are strings FastAPI resolves here
 
 logger = logging.getLogger("disagg.worker.pd_proxy")
 
@@ -45,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: float) -> Any:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from disagg.worker.router.app import to_response
@@ -114,6 +116,16 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
 
 async def generate(state: Any, request: Any, path: str, engine_url: str, role: str, signer: Any,
                    lease_s: float) -> Any:
+    """The request's answer. The client's Authorization goes along on every hop (vLLM checks its own
+    --api-key; the prefill hop's pd-proxy passes it on to its vLLM) and never comes back in the answer."""
+    reply = await _generate(state, request, path, engine_url, role, signer, lease_s)
+    if reply.headers:
+        reply.headers = {k: v for k, v in reply.headers.items() if k.lower() != "authorization"}
+    return reply
+
+
+async def _generate(state: Any, request: Any, path: str, engine_url: str, role: str, signer: Any,
+                    lease_s: float) -> Any:
     from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
     from disagg.worker.kv_transfer.handoff_auth import HandoffRejected
     from disagg.worker.router.decode_side import PREFILL_HEADER, prefill_for
@@ -131,6 +143,8 @@ async def generate(state: Any, request: Any, path: str, engine_url: str, role: s
     if not isinstance(body, dict):
         return error_reply(400, "request body must be a JSON object", "invalid_request_error")
     headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+    if request.headers.get("authorization"):
+        headers["Authorization"] = request.headers["authorization"]
     deadline = Deadline(state.timeouts)
     if role == "prefill":
         return await _prefill(state, engine_url, path, body, headers, deadline, signer, lease_s)

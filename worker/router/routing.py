@@ -54,10 +54,12 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def worker_client() -> httpx.AsyncClient:
-    """One client for every hop, probe and scrape."""
+def worker_client(api_key: str | None = None) -> httpx.AsyncClient:
+    """One client for every hop, probe and scrape; with the workers' API key on every request (api_keys.py)."""
+    from disagg.worker.api_keys import bearer
+
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    return httpx.AsyncClient(limits=limits)
+    return httpx.AsyncClient(limits=limits, headers=bearer(api_key) if api_key else None)
 
 
 def add_discovery_arguments(p: argparse.ArgumentParser | Any) -> None:
@@ -70,6 +72,9 @@ def add_discovery_arguments(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--prefill-selector", help="kubernetes discovery: label selector of prefill pods")
     p.add_argument("--decode-selector", help="kubernetes discovery: label selector of decode pods")
     p.add_argument("--worker-port", type=int, default=8000, help="kubernetes discovery: the workers' HTTP port")
+    p.add_argument("--worker-api-key-file", metavar="PATH", help="the workers' API key (first line; or "
+                   "$DISAGG_WORKER_API_KEY), sent to them as `Authorization: Bearer`; a client's key is never "
+                   "passed on")
 
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,6 +133,7 @@ class Routing:
     state: RouterState
     discovery: Any  # FileDiscovery | KubernetesDiscovery | None (static URLs)
     args: argparse.Namespace
+    worker_api_key: str | None = None  # sent to the workers on every call (api_keys.py), when they need one
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[RouterState]:
@@ -136,7 +142,7 @@ class Routing:
         from disagg.worker.router.probes import probe_forever
 
         state, args, discovery = self.state, self.args, self.discovery
-        async with worker_client() as client:
+        async with worker_client(self.worker_api_key) as client:
             state.client = client
             tasks = [asyncio.ensure_future(probe_forever(state))]
             if discovery is not None:
@@ -162,16 +168,19 @@ class Routing:
 def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str | None = None,
                     namespace: str = "default", selector: str | None = None, worker_port: int = 8000,
                     probe_interval_s: float = 1.0, decode_url: str | None = None, metrics_role: str = "decode",
-                    bounds: list[str] = ()) -> Routing:
+                    bounds: list[str] = (), worker_api_key: str | None = None) -> Routing:
     """A decode side's routing (our worker's, pd-proxy's): the prefill pool it may call, from its discovery, and
-    `decode_url` (the engine behind it, if it reaches it over HTTP) as the decode pool."""
+    `decode_url` (the engine behind it, if it reaches it over HTTP) as the decode pool; `worker_api_key`: what
+    the prefill workers want (the pool's shared key)."""
     p = argparse.ArgumentParser(add_help=False)
     add_routing_arguments(p)
     args = p.parse_args(["--discovery", discovery, "--probe-interval", str(probe_interval_s),
                          "--namespace", namespace, "--worker-port", str(worker_port), *bounds])
     args.prefill, args.decode = list(prefill), [decode_url] if decode_url else []
     args.endpoints_file, args.prefill_selector = endpoints_file, selector
-    return build_routing(args, metrics_role=metrics_role, need_decode=False)
+    routing = build_routing(args, metrics_role=metrics_role, need_decode=False)
+    routing.worker_api_key = worker_api_key or routing.worker_api_key
+    return routing
 
 
 def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_decode: bool = True,
@@ -179,6 +188,7 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
     """The pools, policy, bounds and discovery the flags describe; ValueError naming what is wrong.
     need_decode False: a decode side's hop - discovery keeps only the prefill pool (the decode pool is the
     engine behind it, given as --decode)."""
+    from disagg.worker.api_keys import worker_key
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
 
     timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
@@ -220,4 +230,4 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
                         prefix=prefix, early_first_token=early_first_token)
     metrics.watch_handoffs(state.handoffs, state.members)
-    return Routing(state, discovery, args)
+    return Routing(state, discovery, args, worker_key(getattr(args, "worker_api_key_file", None)))

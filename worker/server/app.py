@@ -20,7 +20,8 @@ from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.router.decode_side import PREFILL_HEADER
 from disagg.worker.server.pd_hop import merged_metrics, prefill_remotely
 from disagg.worker.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, parse_request, sse,
+    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, check_signature, parse_request,
+    sse,
 )
 from disagg.worker.server.tokenize_routes import add_tokenize_routes
 
@@ -37,6 +38,9 @@ class ServerState:
     kv_events: Any = None  # KVEventsInfo where KV-cache events are published (GET /kv_events), else None
     pd: Any = None  # the prefill pool this decode worker may call behind a gateway (router.state), else None
     early_first_token: bool = True  # behind a gateway: stream the prefill's token first (pd_hop.py)
+    # signs the hand-offs this worker answers with and checks those it is given (handoff_auth.py); None: no key,
+    # hand-offs are neither signed nor checked
+    signer: Any = None
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self, request_id: str) -> str:
@@ -120,12 +124,15 @@ async def _generate(state: ServerState, request: Request, kind: Kind) -> Respons
     target = request.headers.get(PREFILL_HEADER)
     if target and state.pd is not None and not state.draining:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        prepared = await prefill_remotely(state.pd, path, raw, target, request_id, state.early_first_token)
+        prepared = await prefill_remotely(state.pd, path, raw, target, request_id, state.early_first_token,
+                                          state.signer)
         if isinstance(prepared, Response):
             return prepared
-        raw, first_chunk = prepared
+        raw, first_chunk, verified = prepared
+    else:
+        verified = False
     try:
-        job = await _admit(state, raw, request_id, kind)
+        job = await _admit(state, raw, request_id, kind, verified)
     except APIError as e:
         if e.status >= 500:
             logger.warning("rejected a request: %s", e.message)
@@ -156,8 +163,10 @@ async def _after_first_chunk(state: ServerState, job: Job, first_chunk: bytes) -
         yield chunk
 
 
-async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind) -> Job:
-    """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body."""
+async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind, verified: bool = False) -> Job:
+    """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body. A hand-off naming
+    remote KV is checked here, before the engine (and so its connector) sees it, unless `verified` (this worker's
+    own prefill hop checked it)."""
     loop_ = state.engine_loop
     if state.draining:
         raise APIError(503, "server is draining", "service_unavailable")
@@ -167,6 +176,8 @@ async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind) ->
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
     req = parse_request(raw, engine.served_model_name, model_cls)
     handoff = check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
+    if handoff is not None and state.signer is not None and not verified:
+        check_signature(state.signer, handoff)
     prompt_ids = _prompt_token_ids(engine, req)
     sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
     engine_id = state.next_engine_id(request_id)
@@ -182,7 +193,8 @@ async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind) ->
                n=sp.n, logprobs=sp.logprobs is not None, echo=bool(getattr(req, "echo", False)),
                prompt_logprobs="prompt_logprobs" in req.model_fields_set,
                tokens_as_ids=req.return_tokens_as_token_ids, prompt_str=_prompt_str(req),
-               delivered=len(handoff.delivered_token_ids) if handoff is not None and req.stream else 0)
+               delivered=len(handoff.delivered_token_ids) if handoff is not None and req.stream else 0,
+               handoff_signer=state.signer)
 
 
 def _prompt_str(req: CompletionRequest | ChatCompletionRequest) -> str | None:

@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="model name in the API (default: the directory name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="require `Authorization: Bearer <one of these>` on every route but /health, /ready and "
+                        "/metrics (default: $VLLM_API_KEY, as vLLM; none: open); the decode side's prefill hop sends "
+                        "the first")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
@@ -46,9 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--engine-id", default="", help="unique engine id (default: random)")
     e = p.add_argument_group("KV-cache events (vLLM's ZMQ wire format; read by `disagg router --policy prefix-aware`)")
     e.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
-                   help="publish prefix-cache changes on this ZMQ PUB address, e.g. tcp://*:5557 (default: off)")
+                   help="publish prefix-cache changes on this ZMQ PUB address, e.g. tcp://10.0.0.7:5557; "
+                        "tcp://:5557 binds --host when that is one address, else loopback (default: off). The "
+                        "events carry the token ids of cached prompt blocks: bind an address only the router reaches")
     e.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
-                   help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB port + 1)")
+                   help="ZMQ ROUTER address a subscriber asks to catch up (default: the PUB address, port + 1)")
     e.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
     h = p.add_argument_group("P/D behind a gateway: the decode side's prefill hop (x-prefiller-host-port, set by "
                              "`disagg epp`) goes only to a prefill endpoint these name (default: none is taken)")

@@ -46,6 +46,7 @@ class Job:
     # P/D: the client already has the first `delivered` tokens (and, in a chat, the role): the router streamed
     # the prefill's answer (kv_transfer_params.delivered_token_ids). A stream sends what follows them
     delivered: int = 0
+    handoff_signer: Any = None  # signs the hand-off a prefill answer carries (handoff_auth.py), when a key is set
 
     def prompt_text(self) -> str:
         if self.prompt_str is not None:
@@ -118,8 +119,11 @@ async def complete(loop_: Any, request: Request, job: Job) -> Response:
         e = APIError(500, out.error or "request failed in the engine", "internal_error")
         return JSONResponse(e.body(), status_code=500)
     choices = [_final_choice(job, finals[i]) for i in sorted(finals)]
+    params = out.kv_transfer_params
+    if params is not None and job.handoff_signer is not None:
+        params = job.handoff_signer.sign_params(params)
     extra: dict[str, Any] = {"usage": job.usage(sum(len(c.token_ids) for c in finals.values())),
-                             "kv_transfer_params": out.kv_transfer_params}
+                             "kv_transfer_params": params}
     if job.prompt_logprobs:
         extra["prompt_logprobs"] = prompt_logprobs_json(job.tokenizer, job.prompt_ids, job.prompt_lps)
     return JSONResponse(body(job.kind, job.response_id, job.model, choices, **extra),

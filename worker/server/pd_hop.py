@@ -5,8 +5,9 @@ fails); the request then goes to this engine with the hand-off, as if a router h
 whose first token the prefill's answer can stand for gets it at once (the router's early first token), and this
 engine continues after it.
 
-Decode alone (no KV moved) when the header names no prefill endpoint of the pool, none gave KV, or the request
-needs the prompt's logits; a prefill that rejects the request (4xx) answers the client itself.
+Decode alone (no KV moved) when the header names no prefill endpoint of the pool, none gave KV, the request
+needs the prompt's logits, or (with a hand-off key) the prefill's hand-off is not signed for this resource; a
+prefill that rejects the request (4xx) answers the client itself.
 """
 from __future__ import annotations
 
@@ -25,26 +26,42 @@ logger = logging.getLogger(__name__)
 
 
 async def prefill_remotely(pd: RouterState, path: str, raw: bytes, target: str, request_id: str,
-                           early_first_token: bool) -> tuple[bytes, bytes | None] | Response:
-    """(the body to admit - with the prefill's hand-off when one came -, the client's first SSE chunk or None),
-    or the prefill's own rejection of the request."""
+                           early_first_token: bool, signer: Any = None
+                           ) -> tuple[bytes, bytes | None, bool] | Response:
+    """(the body to admit - with the prefill's hand-off when one came -, the client's first SSE chunk or None,
+    whether that hand-off was checked here against `signer`), or the prefill's own rejection of the request."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        return raw, None  # admission answers the malformed body
+        return raw, None, False  # admission answers the malformed body
     if not isinstance(body, dict) or body.get(HANDOFF_FIELD) is not None or check_max_tokens(body) \
             or needs_prompt_logits(body):
-        return raw, None  # admission answers it (a hand-off given is checked as any other)
+        return raw, None, False  # admission answers it (a hand-off given is checked as any other)
     outcome = await prefill_for(pd, target, path, body, {"X-Request-Id": request_id})
     if isinstance(outcome, Reply):
         return Response(outcome.content, status_code=outcome.status, media_type="application/json")
-    if outcome.handoff is None:
-        return raw, None
+    if outcome.handoff is None or not _signed_here(signer, outcome.handoff, request_id):
+        return raw, None, False
     first = early_first_chunk(body, path, outcome.answer, outcome.handoff) if early_first_token else None
     handoff = outcome.handoff.delivering(outcome.handoff.output_token_ids) if first is not None else outcome.handoff
     if first is not None:
         pd.metrics.early_first_token()
-    return json.dumps({**body, HANDOFF_FIELD: handoff.to_wire()}).encode(), first
+    return json.dumps({**body, HANDOFF_FIELD: handoff.to_wire()}).encode(), first, signer is not None
+
+
+def _signed_here(signer: Any, handoff: Any, request_id: str) -> bool:
+    """The prefill's hand-off is signed for this resource (or there is no key); a refused one is logged and the
+    request decodes alone, as pd-proxy does."""
+    from disagg.worker.kv_transfer.handoff_auth import HandoffRejected
+
+    if signer is None:
+        return True
+    try:
+        signer.verify(handoff)
+    except HandoffRejected as e:
+        logger.warning("request %s: the prefill's hand-off is refused (%s); decoding alone", request_id, e)
+        return False
+    return True
 
 
 def merged_metrics(*pages: Any) -> bytes:

@@ -209,6 +209,18 @@ def check_kv_transfer_params(params: Any, connector: str | None) -> Handoff | No
         raise APIError(400, str(e), param=e.param) from None
 
 
+def check_signature(signer: Any, handoff: Handoff) -> None:
+    """A hand-off naming remote KV must be signed by a prefill worker of this resource, unexpired and unused
+    (handoff_auth.py): else a 403 (400: no lease end) naming what is wrong, and nothing is contacted."""
+    from disagg.worker.kv_transfer.handoff_auth import HandoffRejected
+
+    try:
+        signer.verify(handoff)
+    except HandoffRejected as e:
+        raise APIError(e.status, str(e), "permission_denied" if e.status == 403 else "invalid_request_error",
+                       e.param) from None
+
+
 # ---------------------------------------------------------------- responses
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -24,9 +24,12 @@ def reference(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=CONNECTORS)
 def pd(request, tiny_model_dir, tmp_path_factory, reference):
+    from disagg.worker.kv_transfer.handoff_auth import KEY_ENV, RESOURCE_ENV, new_key
+
     fleet = Fleet(tmp_path_factory.mktemp(request.param))
-    prefill = fleet.worker("prefill", "prefill", tiny_model_dir, request.param, lease_s=3)
-    decodes = [fleet.worker(f"decode-{i}", "decode", tiny_model_dir, request.param) for i in range(2)]
+    key = {KEY_ENV: new_key(), RESOURCE_ENV: "serving/pd"}  # as the operator and `disagg up` run them: signed
+    prefill = fleet.worker("prefill", "prefill", tiny_model_dir, request.param, lease_s=3, env=key)
+    decodes = [fleet.worker(f"decode-{i}", "decode", tiny_model_dir, request.param, env=key) for i in range(2)]
     reference[0].wait_ready()
     fleet.wait_ready()
     router = fleet.router([prefill], decodes)

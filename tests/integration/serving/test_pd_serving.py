@@ -1,5 +1,5 @@
-"""Router + 1 prefill + 2 decode workers + a colocated reference worker, as processes on loopback, once per
-KV connector: greedy parity, bad input, 32 concurrent requests leaving no KV held, a decode worker killed
+"""Router + 1 prefill + 2 decode workers (one hand-off key: every hand-off signed and checked) + a colocated
+reference worker, as processes on loopback, once per KV connector: greedy parity, bad input, 32 concurrent requests leaving no KV held, a decode worker killed
 mid-stream, and SIGTERM drains with exit status 0."""
 from __future__ import annotations
 

@@ -87,3 +87,36 @@ def test_keys_come_from_the_environment_or_a_file(tmp_path):
         signer_from_env({"DISAGG_HANDOFF_KEY": "not base64!"})
     with pytest.raises(ValueError, match="at least 16"):
         HandoffSigner(b"short", "ns/r")
+
+
+def test_a_notification_releases_only_when_signed_for_the_agent_nixl_names_as_its_sender():
+    msg = SIGNER.notification("req-1#0", "decode-agent", NOW)
+    assert SIGNER.check_notification(msg, "decode-agent", NOW + 2) == "req-1#0"
+    assert SIGNER.check_notification(msg, "stranger", NOW + 2) is None  # another agent replaying it
+    assert SIGNER.check_notification(b"req-1#0", "decode-agent", NOW) is None  # unsigned (a peer without the key)
+    forged = HandoffSigner(b"x" * 32, "team-a/llama").notification("req-1#0", "stranger", NOW)
+    assert SIGNER.check_notification(forged, "stranger", NOW) is None
+    assert SIGNER.check_notification(msg.replace(b"req-1#0", b"req-2#0"), "decode-agent", NOW) is None
+    assert SIGNER.check_notification(msg, "decode-agent", NOW + 120) is None  # stale
+    odd = SIGNER.notification("a|b", "c", NOW)  # separators inside the id stay unambiguous
+    assert SIGNER.check_notification(odd, "c", NOW) == "a|b"
+    assert SIGNER.check_notification(b"\xff\xfe", "c", NOW) is None
+
+
+def test_a_prefill_answer_is_signed_only_when_it_names_remote_kv():
+    wire = answer().to_wire() | {"tp_size": 1}
+    signed = SIGNER.sign_params(wire)
+    assert signed["tp_size"] == 1 and signed["disagg_signature"].startswith("v1:team-a/llama:")
+    HandoffSigner(KEY, "team-a/llama").verify(Handoff.parse(signed), NOW)
+    assert SIGNER.sign_params({"do_remote_decode": True}) == {"do_remote_decode": True}
+
+
+def test_the_replay_cache_keeps_a_signature_only_while_its_lease_runs():
+    signer = HandoffSigner(KEY, "team-a/llama")
+    for i, lease in enumerate((NOW + 10, NOW + 40, NOW + 20)):
+        signer.verify(SIGNER.sign(answer(request_id=f"req-{i}", lease_expires_at=lease)), NOW)
+    late = SIGNER.sign(answer(request_id="req-9", lease_expires_at=NOW + 60))
+    signer.verify(late, NOW + 25)  # the leases ending at +10 and +20 are over: those two are forgotten
+    assert len(signer._seen) == 2
+    with pytest.raises(HandoffRejected, match="used already"):
+        signer.verify(late, NOW + 26)

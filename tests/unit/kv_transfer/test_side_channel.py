@@ -128,3 +128,25 @@ def test_unknown_path_is_404():
         conn.request("GET", "/other")
         assert conn.getresponse().status == 404
         conn.close()
+
+
+def test_with_a_key_metadata_goes_only_to_an_asker_with_a_token_of_that_key():
+    from disagg.worker.kv_transfer.handoff_auth import HandoffSigner
+    from disagg.worker.kv_transfer.side_channel import SideChannelForbidden
+
+    ours, theirs = HandoffSigner(b"k" * 32, "ns/a"), HandoffSigner(b"x" * 32, "ns/a")
+    md = make_metadata()
+    with SideChannelServer(md, HOST, 0, auth=ours) as server:
+        assert fetch_engine_metadata(HOST, server.port, 2.0, ours, "decode-0") == md
+        for auth in (None, theirs):
+            with pytest.raises(SideChannelForbidden, match=f"{HOST}:{server.port}: our token was refused"):
+                fetch_engine_metadata(HOST, server.port, 2.0, auth, "decode-0")
+        # a token made for another agent name does not open it either
+        import http.client
+
+        conn = http.client.HTTPConnection(HOST, server.port, timeout=2.0)
+        conn.request("GET", "/metadata", headers={"X-Disagg-Agent": "decode-1",
+                                                  "X-Disagg-Token": ours.token("metadata", "decode-0")})
+        r = conn.getresponse()
+        assert r.status == 403 and md.agent_metadata not in r.read()
+        conn.close()

@@ -248,3 +248,31 @@ def test_the_framing_reads_back_what_it_writes_and_names_nothing_malformed():
     assert wire.parse_replay_answer(list(wire.replay_frames(b"peer", b"t", 4, b"p"))[1:]) == (4, b"p")
     assert wire.parse_replay_answer(list(wire.end_of_replay_frames(b"peer"))[1:])[0] == wire.END_OF_REPLAY
     assert wire.parse_live([b"t", b"\x00", b"p"]) is None and wire.parse_replay_answer([b"", b"t"]) is None
+
+
+@pytest.mark.parametrize("endpoint, worker_host, bound", [
+    ("tcp://:5557", "10.0.0.7", "tcp://10.0.0.7:5557"),  # no host: the worker's own address
+    ("tcp://:5557", "0.0.0.0", "tcp://127.0.0.1:5557"),  # ... never a wildcard: loopback then
+    ("tcp://:*", "", "tcp://127.0.0.1:*"),
+    ("tcp://10.0.0.8:5557", "0.0.0.0", "tcp://10.0.0.8:5557"),  # given: kept
+    ("tcp://*:5557", "10.0.0.7", "tcp://*:5557"),  # a wildcard asked for by name: kept, and warned about
+])
+def test_kv_events_bind_a_given_address_never_a_wildcard_by_default(endpoint, worker_host, bound):
+    from disagg.worker.kv_events.publisher import bind_endpoint
+
+    assert bind_endpoint(endpoint, worker_host) == bound
+
+
+def test_a_worker_says_what_it_opens_to_every_interface():
+    from disagg.worker.server.args import parse_worker_args
+    from disagg.worker.server.cli import exposure_warnings
+
+    quiet = parse_worker_args(["--kv-connector", "NixlConnector", "--kv-events-endpoint", "tcp://10.0.0.7:5557"])
+    assert exposure_warnings(quiet) == []
+    assert exposure_warnings(parse_worker_args([])) == []  # defaults: events off, side channel on loopback
+    loud = parse_worker_args(["--kv-connector", "NixlConnector", "--kv-side-channel-host", "0.0.0.0",
+                              "--kv-events-endpoint", "tcp://*:5557"])
+    warnings = exposure_warnings(loud)
+    assert len(warnings) == 2
+    assert "--kv-events-endpoint tcp://*:5557 binds every interface" in warnings[0] and "token ids" in warnings[0]
+    assert "--kv-side-channel-host 0.0.0.0" in warnings[1] and "READ its KV cache" in warnings[1]

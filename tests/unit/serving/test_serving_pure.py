@@ -181,6 +181,19 @@ def test_launcher_plan_gives_each_worker_its_ports_and_the_router_every_url():
     assert "'{\"model\": \"tiny\"" in curl_example("http://r", "tiny")
 
 
+def test_every_local_worker_gets_the_runs_hand_off_key_and_a_key_the_spec_names_wins():
+    from disagg.worker.local.launcher import handoff_env
+
+    ports = iter(range(9000, 9100))
+    key = handoff_env("demo")
+    assert key["DISAGG_HANDOFF_RESOURCE"] == "local/demo" and key != handoff_env("demo")  # fresh per run
+    procs = plan(parse_spec(LOCAL), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key)
+    assert [p.env.get("DISAGG_HANDOFF_KEY") for p in procs] == [key["DISAGG_HANDOFF_KEY"]] * 3 + [None]
+    own = {**LOCAL, "decode": {"replicas": 1, "env": [{"name": "DISAGG_HANDOFF_KEY", "value": "mine"}]}}
+    procs = plan(parse_spec(own), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key)
+    assert procs[1].env["DISAGG_HANDOFF_KEY"] == "mine"
+
+
 def test_pod_urls_keep_running_pods_with_an_ip():
     def pod(phase: str, ip: str | None, deleting: bool = False) -> SimpleNamespace:
         return SimpleNamespace(status=SimpleNamespace(phase=phase, pod_ip=ip),
