@@ -15,8 +15,8 @@ from disagg.operator.naming import (
 )
 from disagg.operator.plan import pod_epp_command
 from disagg.operator.pod_parts import (
-    Owner, container_security_context, downward_env, grpc_probe, metadata, pod_reader_rbac, pod_security_context,
-    pod_template, pull_fields, resources, tmp_volume,
+    Owner, client_key_env, container_security_context, downward_env, grpc_probe, metadata, pod_reader_rbac,
+    pod_security_context, pod_template, pull_fields, resources, tmp_volume,
 )
 
 INFERENCE_GROUP = "inference.networking.k8s.io"
@@ -50,7 +50,7 @@ def build_epp_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
         "ports": [{"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
-        "env": downward_env(),
+        "env": downward_env() + client_key_env(spec.router),  # the router's client keys at this front door too
         "resources": resources(picker.resources),
         "livenessProbe": grpc_probe(EPP_HEALTH_PORT, LIVENESS_SERVICE, 10, 3),
         "readinessProbe": grpc_probe(EPP_HEALTH_PORT, READINESS_SERVICE, 5, 2),  # NOT_SERVING while draining

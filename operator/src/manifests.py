@@ -26,12 +26,12 @@ from disagg.operator.naming import (
     stable_hash,
 )
 from disagg.operator.network_policy import build_network_policies
-from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR
+from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR, TLS_DIR
 from disagg.operator.plan import (
     Role, pod_fetch_command, pod_pd_proxy_command, pod_router_command, pod_worker_command,
 )
 from disagg.operator.pod_parts import (
-    TMP_DIR, Owner, container_security_context, downward_env, http_probe, metadata, pod_reader_rbac,
+    TMP_DIR, Owner, client_key_env, container_security_context, downward_env, http_probe, metadata, pod_reader_rbac,
     pod_security_context, pod_template, pull_fields, resources, scheduling, tmp_volume,
 )
 
@@ -52,7 +52,8 @@ def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
 
 
 def router_endpoint(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> str:
-    return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
+    scheme = "https" if spec.router.tls else "http"
+    return f"{scheme}://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
 
 
 # ---------------------------------------------------------------- worker pods
@@ -218,19 +219,22 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     tmp, tmp_mount = tmp_volume()
     argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
+    tls = spec.router.tls
+    scheme = "HTTPS" if tls else "HTTP"
     container: dict[str, Any] = {
         "name": "router", "image": spec.image, "command": argv[:1], "args": argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": downward_env(),
+        "env": downward_env() + client_key_env(spec.router),
         "resources": resources(spec.router.resources),
-        "livenessProbe": http_probe("/health", 10, 3),
-        "readinessProbe": http_probe("/ready", 5, 2),  # 503 until the router sees a decode endpoint
+        "livenessProbe": http_probe("/health", 10, 3, scheme),
+        "readinessProbe": http_probe("/ready", 5, 2, scheme),  # 503 until the router sees a decode endpoint
         "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK
-        "volumeMounts": [tmp_mount],
+        "volumeMounts": [tmp_mount, *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if tls else [])],
     }
+    volumes = [tmp, *([{"name": "tls", "secret": {"secretName": tls.secret_name}}] if tls else [])]
     pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
-                                "volumes": [tmp], **scheduling(spec.router)}
+                                "volumes": volumes, **scheduling(spec.router)}
     pull_fields(spec, container, pod_spec)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",

@@ -24,6 +24,7 @@ MODELS_DIR = "/models"  # PVC mount
 CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
 SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
 POD_IP = "$(POD_IP)"  # the kubelet expands it from the downward API's POD_IP variable
+TLS_DIR = "/etc/disagg/tls"  # spec.router.tls: the kubernetes.io/tls Secret in the router pods (tls.crt, tls.key)
 LOOPBACK = "127.0.0.1"  # engine vllm: vLLM listens on the pod's loopback, `disagg pd-proxy` in front of it
 
 
@@ -84,6 +85,7 @@ class RouterPlacement:
     probe_interval_s: float | None = None  # None: the router's default
     # where workers that serve no GET /kv_events (vLLM) publish KV-cache events: the pods' fixed ports
     kv_events_ports: tuple[int, int] | None = None
+    tls_files: tuple[str, str] | None = None  # (certificate, key) it serves HTTPS with
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -112,10 +114,12 @@ def _kubernetes_discovery(namespace: str, instance: str) -> tuple[str, ...]:
             "--decode-selector", label_selector(instance, "decode"))
 
 
-def kubernetes_router_placement(*, namespace: str, instance: str) -> RouterPlacement:
-    """The router pod: it lists the resource's worker pods by their labels."""
+def kubernetes_router_placement(*, namespace: str, instance: str, tls: bool = False) -> RouterPlacement:
+    """The router pod: it lists the resource's worker pods by their labels; with `tls` it serves HTTPS with the
+    Secret mounted at TLS_DIR."""
     return RouterPlacement(host="0.0.0.0", port=HTTP_PORT, discovery=_kubernetes_discovery(namespace, instance),
-                           kv_events_ports=KV_EVENTS_PORTS)
+                           kv_events_ports=KV_EVENTS_PORTS,
+                           tls_files=(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key") if tls else None)
 
 
 def kubernetes_epp_placement(*, namespace: str, instance: str) -> EppPlacement:

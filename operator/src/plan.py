@@ -79,7 +79,8 @@ def pod_fetch_command(spec: s.DisaggregatedInferenceSpec) -> WorkerCommand:
 
 
 def pod_router_command(spec: s.DisaggregatedInferenceSpec, *, namespace: str, instance: str) -> list[str]:
-    return build_router_command(spec, kubernetes_router_placement(namespace=namespace, instance=instance))
+    return build_router_command(spec, kubernetes_router_placement(namespace=namespace, instance=instance,
+                                                                  tls=spec.router.tls is not None))
 
 
 # ---------------------------------------------------------------- one host: processes

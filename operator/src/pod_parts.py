@@ -10,6 +10,7 @@ from typing import Any
 
 from disagg.operator import spec as s
 from disagg.operator.naming import ANNOTATION_CONFIG_HASH, Component, child_name, common_labels, stable_hash
+from disagg.worker.api_keys import CLIENT_KEY_ENV
 
 TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
 RBAC_API = "rbac.authorization.k8s.io/v1"
@@ -85,9 +86,17 @@ def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": TMP_DIR}
 
 
-def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+def http_probe(path: str, period: int, failures: int, scheme: str = "HTTP") -> dict[str, Any]:
+    get = {"path": path, "port": "http", **({"scheme": scheme} if scheme != "HTTP" else {})}
+    return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def client_key_env(router: s.RouterSpec) -> list[dict[str, Any]]:
+    """spec.router.auth: the client API key the router and the endpoint picker accept ($DISAGG_API_KEY)."""
+    if router.auth is None:
+        return []
+    ref = {"name": router.auth.secret_name, "key": router.auth.key}
+    return [{"name": CLIENT_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}]
 
 
 def grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str, Any]:

@@ -238,6 +238,19 @@ class PrefixAwareRouting(_Model):
         "full KV blocks of it (0: only when it holds them all).")
 
 
+class RouterAuth(_Model):
+    """Client API keys: a request without `Authorization: Bearer <the key>` gets 401 (/health, /ready and /metrics
+    stay open to probes). The same key at the endpoint picker behind a gateway."""
+    secret_name: str = Field(min_length=1, max_length=253, description="A Secret in this resource's namespace.")
+    key: str = Field("api-key", min_length=1, max_length=253, description="Its entry holding the key.")
+
+
+class RouterTLS(_Model):
+    """HTTPS on the router: the certificate and key of a kubernetes.io/tls Secret (tls.crt, tls.key)."""
+    secret_name: str = Field(min_length=1, max_length=253, description="A kubernetes.io/tls Secret in this "
+                             "resource's namespace, mounted read-only into the router pods.")
+
+
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
     policy: Literal[POLICY_NAMES] = Field(  # the router's registry (router/policies.py)
@@ -248,6 +261,9 @@ class RouterSpec(PodPlacement):
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     prefix_aware: PrefixAwareRouting = Field(default_factory=PrefixAwareRouting)
+    auth: RouterAuth | None = Field(None, description="Client API keys (default: none; anyone who reaches the "
+                                    "router may use it).")
+    tls: RouterTLS | None = Field(None, description="Serve HTTPS (default: plain HTTP).")
     extra_args: list[str] = Field(default_factory=list)
 
 

@@ -100,6 +100,9 @@ def test_every_gateway_command_parses_with_its_programs_parser(engine, policy, r
         assert (args.kv_events_port, args.kv_events_replay_port) == (
             naming.KV_EVENTS_PORTS if policy == "prefix-aware" else (None, None))
         assert args.log_level == ("DEBUG" if gateway == "fail-open-route" else "INFO")
+        # spec.router.auth: the router's client key at this front door too
+        env = {e["name"]: e for e in pod_containers(doc, "llama-epp")["epp"]["env"]}
+        assert ("DISAGG_API_KEY" in env) is (router == "auth-tls")
     for role in ("prefill", "decode"):
         containers = pod_containers(doc, f"llama-{role}")
         hop = on and role == "decode"  # behind a gateway the decode side runs the prefill hop itself

@@ -191,7 +191,8 @@ def test_everything_on_validates_against_kubernetes_schemas(engine, tmp_path: Pa
     """The built-in kinds strictly against Kubernetes' schemas (InferencePool: GIE's, above; HTTPRoute: the
     Gateway API's is not bundled there)."""
     pytest.importorskip("kubernetes_validate")
-    spec = spec_with(engine, router={"policy": "prefix-aware"}, gateway={"enabled": True, "httpRoute": ROUTE},
+    router = {"policy": "prefix-aware", "auth": {"secretName": "keys"}, "tls": {"secretName": "router-tls"}}
+    spec = spec_with(engine, router=router, gateway={"enabled": True, "httpRoute": ROUTE},
                      security={"networkPolicy": {"gatewayFrom": [{"namespaceSelector": {"matchLabels": {
                          "kubernetes.io/metadata.name": "gateways"}}}]}})
     builtin = [c for c in m.desired_children(OWNER, spec) if c["kind"] not in ("InferencePool", "HTTPRoute")]
@@ -218,3 +219,21 @@ def test_the_gateway_example_routes_the_named_gateway_to_a_pool_gie_accepts():
     route = kids[("HTTPRoute", "llama3-8b-gw")]
     assert route["spec"]["parentRefs"][0]["name"] == doc["spec"]["gateway"]["httpRoute"]["gatewayName"]
     assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "llama3-8b-gw"
+
+
+def test_router_auth_and_tls_come_from_the_users_secrets():
+    spec = spec_with(router={"auth": {"secretName": "client-keys", "key": "k"},
+                             "tls": {"secretName": "router-tls"}})
+    pod = children(spec)[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert _env(c)["DISAGG_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "client-keys", "key": "k"}}
+    assert {"name": "tls", "secret": {"secretName": "router-tls"}} in pod["volumes"]
+    assert {"name": "tls", "mountPath": "/etc/disagg/tls", "readOnly": True} in c["volumeMounts"]
+    args = c["args"]
+    assert args[args.index("--tls-cert-file") + 1] == "/etc/disagg/tls/tls.crt"
+    assert args[args.index("--tls-key-file") + 1] == "/etc/disagg/tls/tls.key"
+    assert c["livenessProbe"]["httpGet"]["scheme"] == c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert m.router_endpoint(OWNER, spec) == "https://llama.serving.svc:8000"
+    plain = children(spec_with())[("Deployment", "llama-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert "DISAGG_API_KEY" not in _env(plain) and "--tls-cert-file" not in plain["args"]
+    assert "scheme" not in plain["livenessProbe"]["httpGet"]
