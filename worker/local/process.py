@@ -122,9 +122,13 @@ def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.E
     return not pending
 
 
+FRONT_ROLES = ("router", "epp", "gateway")  # what clients reach: stopped before the workers
+
+
 def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
-    """Router first (no new requests), then every worker drains; whatever outlives the grace is killed."""
-    for group in ([p for p in procs if p.spec.name == "router"], [p for p in procs if p.spec.name != "router"]):
+    """The front door first (no new requests), then every worker drains; whatever outlives the grace is killed."""
+    front = [p for p in procs if p.spec.role in FRONT_ROLES]
+    for group in (front, [p for p in procs if p not in front]):
         for p in group:
             p.terminate()
         deadline = time.monotonic() + grace_s
