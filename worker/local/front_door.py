@@ -70,8 +70,8 @@ def gateway_front_door(spec: Any, *, host: str, port: int, port_for: Callable[[]
     config_file.write_text(json.dumps(build_envoy_config(config), indent=1))
     url = f"{'https' if tls else 'http'}://{host}:{port}"
     procs = [ProcessSpec("epp", [*CLI, *epp[1:]], epp_url, role="epp"),
-             # its readiness is its admin's /ready; clients use the listener (`url`)
-             ProcessSpec("gateway", envoy_argv(find_envoy(), str(config_file)), f"http://{host}:{admin}",
-                         role="gateway")]
+             # clients use the listener (`url`); its readiness is its admin's /ready
+             ProcessSpec("gateway", envoy_argv(find_envoy(), str(config_file)), url, role="gateway",
+                         ca_file=tls[0] if tls else None, probe_url=f"http://{host}:{admin}")]
     return FrontDoor(procs, url, epp_url, ca_file=tls[0] if tls else None, admin_url=f"http://{host}:{admin}",
                      pool_file=pool_file, on_membership=write_pool)

@@ -45,6 +45,7 @@ class ProcessSpec:
     role: str = ""  # prefill | decode | router
     kv_events: dict | None = None  # where it publishes KV-cache events (for the router's endpoints file)
     ca_file: str | None = None  # an HTTPS server's certificate, to verify it by (disagg up --tls)
+    probe_url: str | None = None  # where its /ready answers, when not at `url` (Envoy: its admin)
 
     def verify(self) -> Any:
         """httpx's verify= for this process's URL."""
@@ -109,7 +110,7 @@ def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.E
                 say(f"  {p.spec.name} exited with status {rc} while starting; last log lines "
                     f"({p.log_path}):\n{p.log_tail()}")
                 return False
-            if is_ready(p.spec.url, timeout=0.5, verify=p.spec.verify()):
+            if is_ready(p.spec.probe_url or p.spec.url, timeout=0.5, verify=True if p.spec.probe_url else p.spec.verify()):
                 pending.remove(p)
                 say(f"  {p.spec.name:<10} ready  {p.spec.url}  ({time.monotonic() - p.started_at:.1f}s)")
         if time.monotonic() > deadline:
