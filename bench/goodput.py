@@ -45,8 +45,8 @@ from goodput_report import attained, fit_capacity, slo_for, summarise, table
 MAX_MODEL_LEN = 4096
 STARTUP_S = {"disagg": 180, "vllm": 600}
 # default rates per workload (req/s), climbing until attainment collapses; --rates overrides for every workload
-RATES = {"long-prompt": [1, 2, 3, 4, 5, 6, 8], "chat": [1, 2, 4, 6, 8, 10, 12], "shared-prefix": [1, 2, 4, 6, 8, 10, 12]}
-QUICK_RATES = {"long-prompt": [1, 3, 5], "chat": [2, 6, 10], "shared-prefix": [2, 6, 10]}
+RATES = {"long-prompt": [1, 2, 3, 4, 5, 6, 8], "chat": [1, 2, 3, 4, 6, 8, 10], "shared-prefix": [1, 2, 3, 4, 6, 8, 10]}
+QUICK_RATES = {"long-prompt": [1, 2, 4], "chat": [1, 3, 6], "shared-prefix": [1, 3, 6]}
 
 
 def stage_urls(dep: Deployment) -> dict[str, str] | None:
@@ -55,21 +55,41 @@ def stage_urls(dep: Deployment) -> dict[str, str] | None:
     return {"router": dep.url, "prefill": p[0], "decode": d[0]} if len(p) == 1 and len(d) == 1 else None
 
 
+def cpu_per_request(dep: Deployment, before: dict[str, float], n: int) -> dict[str, float]:
+    """CPU seconds per request by role (colocated workers count as decode) since `before`, and their total."""
+    after = dep.cpu_seconds()
+    out: dict[str, float] = {}
+    for w in dep.workers:
+        out[w.spec.role] = out.get(w.spec.role, 0.0) + (after[w.spec.name] - before[w.spec.name]) / max(n, 1)
+    out["total"] = sum(out.values())
+    return out
+
+
+def cpu_line(cpu: dict[str, float]) -> str:
+    return "worker CPU ms per request: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in cpu.items())
+
+
 def measure_config(dep: Deployment, args: argparse.Namespace, round_: int, runs: dict, all_unloaded: dict,
-                   stages: dict, say) -> None:
+                   stages: dict, cpu: dict, say) -> None:
     from pd_serving import histogram_totals, stage_breakdown
 
     urls = stage_urls(dep)
     for name in args.workloads:
         w = load.WORKLOADS[name]
-        load.unloaded(dep.url, MODEL_NAME, load.requests_for(w, 2, seed=7))  # warm-up: first-call costs
+        warm = load.warmup_requests(w, copies=max(dep.config.prefill, dep.config.decode))
+        for i in range(0, len(warm), max(dep.config.prefill, dep.config.decode)):  # one document at a time
+            load.poisson(dep.url, MODEL_NAME, warm[i:i + max(dep.config.prefill, dep.config.decode)], 1000, 0)
+        cpu0 = dep.cpu_seconds()
         un = load.unloaded(dep.url, MODEL_NAME, load.requests_for(w, args.unloaded, seed=100 + round_))
+        cpu.setdefault(dep.config.name, {}).setdefault(name, {}).setdefault("unloaded", []).append(
+            cpu_per_request(dep, cpu0, len(un)))
         run = runs.setdefault(dep.config.name, {}).setdefault(name, {"unloaded": [], "rates": {}})
         run["unloaded"].append(un)
         all_unloaded.setdefault(name, []).extend(un)
         slo = slo_for(all_unloaded[name], args.ttft_x, args.tpot_x)  # provisional: the samples so far
         say(f"  {name}: unloaded TTFT median {statistics.median(r.ttft for r in un if r.ok) * 1000:.1f} ms, TPOT "
-            f"{statistics.median(r.tpot for r in un if r.ok) * 1000:.2f} ms ({sum(r.ok for r in un)}/{len(un)} ok)")
+            f"{statistics.median(r.tpot for r in un if r.ok) * 1000:.2f} ms ({sum(r.ok for r in un)}/{len(un)} ok); "
+            + cpu_line(cpu[dep.config.name][name]["unloaded"][-1]))
         stopped = False
         for rate in args.rates or RATES[name]:
             slot = run["rates"].setdefault(rate, [])
@@ -79,14 +99,16 @@ def measure_config(dep: Deployment, args: argparse.Namespace, round_: int, runs:
             n = max(args.min_requests, round(rate * args.seconds_per_rate))
             reqs = load.requests_for(w, n, seed=1000 * round_ + int(rate * 10))
             before = histogram_totals(urls) if urls else None
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), dep.cpu_seconds()
             res = load.poisson(dep.url, MODEL_NAME, reqs, rate, seed=round_ * 7919 + int(rate * 10),
                                drain_s=args.drain_s)
             slot.append(res)
+            used = cpu_per_request(dep, cpu0, n)
+            cpu[dep.config.name][name].setdefault(rate, []).append(used)
             frac = attained(res, slo)
             line = (f"  {name} {rate:g} req/s: {frac:.0%} within SLOs (so far: TTFT <= {slo['ttft_s'] * 1000:.0f} "
                     f"ms, TPOT <= {slo['tpot_s'] * 1000:.2f} ms), {sum(r.ok for r in res)}/{n} ok, "
-                    f"{time.monotonic() - t0:.0f} s")
+                    f"{time.monotonic() - t0:.0f} s; " + cpu_line(used))
             if urls:
                 ok = [r.ttft for r in res if r.ok]
                 st = stage_breakdown(before, histogram_totals(urls), statistics.mean(ok) if ok else 0.0, early=True)
@@ -101,6 +123,7 @@ def run_engine(engine: str, args: argparse.Namespace, configs: list[Config], mod
     runs: dict = {}
     all_unloaded: dict = {}
     stages: dict = {}
+    cpu: dict = {}  # config -> workload -> "unloaded" or rate -> [{role: CPU s per request} per round]
     startup: dict[str, list[float]] = {}
     worker_args = [f"--max-num-batched-tokens={args.max_num_batched_tokens}"] if args.max_num_batched_tokens else []
     for round_ in range(args.rounds):
@@ -112,7 +135,7 @@ def run_engine(engine: str, args: argparse.Namespace, configs: list[Config], mod
             with Deployment(config, engine, model_dir, log_dir, max_model_len=MAX_MODEL_LEN, worker_args=worker_args,
                             startup_s=STARTUP_S[engine]) as dep:
                 startup.setdefault(config.name, []).append(dep.started_s)
-                measure_config(dep, args, round_, runs, all_unloaded, stages, say)
+                measure_config(dep, args, round_, runs, all_unloaded, stages, cpu, say)
     slos = {name: slo_for(all_unloaded[name], args.ttft_x, args.tpot_x) for name in args.workloads}
     summary = summarise(runs, slos, args.target)
     cores = {c.name: c.cores for c in configs}
@@ -126,7 +149,14 @@ def run_engine(engine: str, args: argparse.Namespace, configs: list[Config], mod
             say(f"\n[{engine}] {c} {w}: mean TTFT by stage (ms, mean over rounds):")
             for rate, st in by_rate.items():
                 say(f"  {rate:>5g} req/s: " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in st.items()))
-    out = {"slos": slos, "summary": summary, "stages": mean_stages, "startup_s": startup,
+    say(f"\n[{engine}] worker CPU ms per request (mean over rounds; compute, whatever else ran on the machine):")
+    for c, by_w in cpu.items():
+        for w, by_key in by_w.items():
+            say(f"  {c:<24} {w:<14} " + "; ".join(
+                f"{k if k == 'unloaded' else f'{k:g} req/s'}: " + ", ".join(
+                    f"{role} {statistics.mean(x[role] for x in rounds) * 1000:.0f}" for role in rounds[0])
+                for k, rounds in by_key.items()))
+    out = {"slos": slos, "summary": summary, "stages": mean_stages, "cpu_s_per_request": cpu, "startup_s": startup,
            "raw": {c: {w: {"unloaded": [[asdict(r) for r in rnd] for rnd in run["unloaded"]],
                            "rates": {str(rate): [[asdict(r) for r in rnd] if rnd else None for rnd in rounds]
                                      for rate, rounds in run["rates"].items()}}
@@ -154,9 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "colocated worker on C cores)")
     p.add_argument("--rates", type=float, nargs="+", help="req/s for every workload (default: per workload)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--seconds-per-rate", type=float, default=10.0)
-    p.add_argument("--min-requests", type=int, default=12, help="per rate")
-    p.add_argument("--unloaded", type=int, default=16, help="unloaded samples per workload, config and round")
+    p.add_argument("--seconds-per-rate", type=float, default=6.0)
+    p.add_argument("--min-requests", type=int, default=10, help="per rate")
+    p.add_argument("--unloaded", type=int, default=10, help="unloaded samples per workload, config and round")
     p.add_argument("--drain-s", type=float, default=30.0, help="after the last arrival; unfinished then = missed")
     p.add_argument("--ttft-x", type=float, default=5.0)
     p.add_argument("--tpot-x", type=float, default=2.0)

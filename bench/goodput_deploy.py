@@ -96,6 +96,26 @@ def _pinned(argv: list[str], env: dict[str, str], cores: list[int], engine: str)
     return ["taskset", "-c", cpus, *argv], env
 
 
+def _tree_cpu_s(pid: int) -> float:
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))  # fields[1]: ppid
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
 class Deployment:
     """Router + workers of one Config, started and stopped as a whole (a context manager)."""
 
@@ -123,6 +143,11 @@ class Deployment:
         self.config, self.startup_s = config, startup_s
         self.url = self.router.spec.url
         self.started_s = 0.0  # the workers' start-up (spawn -> all ready), for the capacity model
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each worker - its process tree - has used so far, by worker name: what a
+        request costs in compute, whatever else shares the machine (wall times are not)."""
+        return {w.spec.name: _tree_cpu_s(w.popen.pid) for w in self.workers if w.popen is not None}
 
     def urls(self, role: str) -> list[str]:
         return [w.spec.url for w in self.workers if w.spec.role == role]

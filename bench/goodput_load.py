@@ -59,6 +59,16 @@ def requests_for(w: Workload, n: int, seed: int) -> list[Req]:
     return out
 
 
+def warmup_requests(w: Workload, copies: int) -> list[Req]:
+    """Short requests that put every shared document into the prefix cache of each of `copies` workers (sent
+    together, so the router spreads them), and otherwise just exercise every path once."""
+    docs = requests_for(w, 200, seed=4321)
+    if not w.shared_prefix:
+        return docs[:2]
+    firsts = {tuple(r.prompt[:w.shared_prefix]): r for r in docs}  # one request per document
+    return [Req(r.prompt, 4) for r in firsts.values() for _ in range(copies)]
+
+
 async def one(client: httpx.AsyncClient, url: str, model: str, req: Req, timeout_s: float) -> Result:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
