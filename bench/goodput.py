@@ -16,9 +16,9 @@ configuration. Goodput: the highest rate at which it and every lower rate keep >
 both SLOs. Prints attainment per rate (mean over rounds, with min-max), goodput per round, TTFT/TPOT
 p50/p90/p99, P/D's mean TTFT by stage (router and workers' /metrics), and writes everything to --json.
 
-    python bench/goodput.py                               # disagg engine, 3 workloads, ~15 min on 2 quiet cores
-    DISAGG_VLLM=/path/to/vllm python bench/goodput.py --engine vllm   # vLLM (~25 min: each start takes ~1 min)
-    python bench/goodput.py --quick                       # smoke run: 1 round, few rates, short (~3 min)
+    python bench/goodput.py                               # disagg engine, 3 workloads, 2 rounds: ~15-20 min
+    DISAGG_VLLM=/path/to/vllm python bench/goodput.py --engine vllm   # vLLM: ~25 min (each start ~1 min)
+    python bench/goodput.py --quick                       # smoke run: 1 round, 3 rates, short windows: ~6 min
     python bench/goodput.py --plot goodput.png --save-capacity cap.json   # + attainment curves, + a capacity
     python bench/autoscale_sim.py --capacity cap-disagg.json --peak-pods 32   # ... model for the autoscaler replay
 
