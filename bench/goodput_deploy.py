@@ -134,12 +134,14 @@ class Deployment:
                      worker_args if engine == "disagg" else [],
                      vllm_executable=find_vllm() if engine == "vllm" else None, handoff=handoff_env("goodput"))
         self.workers: list[LocalProcess] = []
-        for s in specs[:-1]:
+        for s in (s for s in specs if s.role in ("prefill", "decode")):
             mine = [cores[next(used)] for _ in range(config.cores_each)]
             argv = s.argv if config.pd else _colocated(s.argv, engine)
             argv, env = _pinned(argv, s.env, mine, engine)
             self.workers.append(LocalProcess(replace(s, argv=argv, env=env), log_dir))
-        self.router = LocalProcess(specs[-1], log_dir)
+        # the router, and whatever else the plan starts after the workers (in its order): not pinned
+        self.others = [LocalProcess(s, log_dir) for s in specs if s.role not in ("prefill", "decode")]
+        self.router = next(p for p in self.others if p.spec.role == "router")
         self.config, self.startup_s = config, startup_s
         self.url = self.router.spec.url
         self.started_s = 0.0  # the workers' start-up (spawn -> all ready), for the capacity model
@@ -162,11 +164,12 @@ class Deployment:
             raise SystemExit(f"{self.config.name}: workers did not start; logs:\n" +
                              "\n".join(w.log_tail() for w in self.workers))
         self.started_s = time.monotonic() - t0
-        self.router.start()
-        if not wait_all_ready([self.router], time.monotonic() + 60, stop, say):
-            self.__exit__()
-            raise SystemExit(f"{self.config.name}: router did not start:\n{self.router.log_tail()}")
+        for p in self.others:
+            p.start()
+            if not wait_all_ready([p], time.monotonic() + 60, stop, say):
+                self.__exit__()
+                raise SystemExit(f"{self.config.name}: {p.spec.name} did not start:\n{p.log_tail()}")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        shutdown([self.router, *self.workers], grace_s=20.0, say=lambda line: None)
+        shutdown([*self.others, *self.workers], grace_s=20.0, say=lambda line: None)
