@@ -112,6 +112,26 @@ def slos_met(sim: Simulation, ttft_slo: float, itl_slo: float) -> list[bool]:
             for r in sim.reqs]
 
 
+def ratio_sweep(cap: PodCapacity, trace: list[TraceRequest], fabric, total: int, args: argparse.Namespace,
+                slo: tuple[float, float], ours: Timeline) -> None:
+    """Static pools of `total` pods split every way (up to ~16 splits): SLO attainment per P:D split, the best one,
+    and the prefill share our policy held on average - does the autoscaler land near the best static ratio?"""
+    step = max(1, (total - 1) // 16)
+    rows = []
+    for p in range(1, total, step):
+        sim = Simulation(cap, trace, fabric, {"prefill": p, "decode": total - p}, dt=args.dt)
+        sim.run(static_controller(p, total - p), INTERVAL_S, args.duration)
+        rows.append((score(sim, *slo)[2], p))
+    print(f"\nstatic P:D splits of {total} pods (SLO attainment, both):")
+    print("  " + "  ".join(f"{p}:{total - p} {both:.1f}%" for both, p in rows))
+    best_both, best_p = max(rows)
+    shares = [p / (p + d) for p, d in zip(ours.replicas["prefill"], ours.replicas["decode"]) if p + d]
+    share = sum(shares) / len(shares)
+    print(f"  best static split {best_p}:{total - best_p} (prefill share {best_p / total:.0%}, {best_both:.1f}%); ours "
+          f"held a prefill share of {share:.0%} on average ({abs(share - best_p / total) / (best_p / total):.0%} from "
+          f"the best static share)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", choices=["measured", "gpu"], default="measured")
@@ -123,6 +143,8 @@ def main() -> None:
     ap.add_argument("--dt", type=float, default=0.2)
     ap.add_argument("--save-capacity", metavar="JSON", help="write the capacity used (to replay a measured one)")
     ap.add_argument("--capacity", metavar="JSON", help="replay a capacity written by --save-capacity")
+    ap.add_argument("--ratio-sweep", action="store_true", help="also replay static pools of the static-peak size "
+                    "split every P:D way, and compare the best split with the prefill share our policy held")
     ap.add_argument("--plot", metavar="PNG", help="draw load, replicas per role and SLO attainment over time, "
                     "ours vs the baselines (needs matplotlib: pip install -e '.[bench]')")
     args = ap.parse_args()
@@ -199,6 +221,8 @@ def main() -> None:
               (f"ours cost at or below queue-per-role: {ours[4]:.0f} vs {base[4]:.0f} pod-s", ours[4] <= base[4])]
     for text, ok in checks:
         print(f"  {'MET    ' if ok else 'NOT MET'} {text}")
+    if args.ratio_sweep:
+        ratio_sweep(cap, trace, fabric, p_static + d_static, args, (ttft_slo, itl_slo), timelines[0])
     if args.plot:
         plot_autoscaling(args.plot, [r.arrival for r in trace], timelines, attainment, args.duration,
                          f"Autoscaling replay ({cap.source.split(' (')[0]}): TTFT <= {ttft_slo:.2f} s, mean ITL <= "

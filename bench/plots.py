@@ -106,3 +106,32 @@ def plot_latency_cdfs(path: str, runs: dict[str, dict[float, dict[str, list[floa
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------- goodput (bench/goodput.py)
+def plot_goodput(path: str, summaries: dict[str, dict], slos: dict[str, dict]) -> None:
+    """SLO attainment vs request rate, one panel per engine and workload, one line per configuration with its
+    round-to-round spread shaded; the goodput target drawn at 90%. summaries: engine -> goodput_report.summarise."""
+    plt = _pyplot()
+    panels = [(e, w) for e, s in summaries.items() for w in slos[e]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (engine, workload) in zip(axes[0], panels):
+        for config, by_w in summaries[engine].items():
+            att = by_w.get(workload, {}).get("attainment", {})
+            rates = sorted(att, key=float)
+            ax.plot(rates, [100 * att[r]["mean"] for r in rates], marker="o",
+                    label=f"{config} (goodput {by_w[workload]['goodput']:g})")
+            ax.fill_between(rates, [100 * att[r]["min"] for r in rates], [100 * att[r]["max"] for r in rates],
+                            alpha=0.2)
+        slo = slos[engine][workload]
+        ax.axhline(90, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{engine}: {workload}\nTTFT <= {slo['ttft_s'] * 1000:.0f} ms, TPOT <= "
+                     f"{slo['tpot_s'] * 1000:.1f} ms", fontsize="medium")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel("requests within both SLOs (%)")
+        ax.set_ylim(0, 101)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
