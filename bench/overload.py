@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import re
 import signal
@@ -60,6 +61,7 @@ class Step:
     ttft_p50: float
     ttft_p99: float  # of the admitted requests
     idle_after_s: float  # from the last answer until every worker reads idle
+    foreign_cpu: float = 0.0  # cores other processes of the machine used meanwhile (a shared machine's noise)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,13 +154,68 @@ def wait_idle(urls: list[str], timeout_s: float = 120) -> float:
     return time.monotonic() - start
 
 
+# ---------------------------------------------------------------- the machine's other load
+def _busy_jiffies() -> int:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def _tree_jiffies(root: int) -> int:
+    """utime + stime of `root` and its descendants (children that exited and were waited for included)."""
+    total, stats = 0, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(stat.parent.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+    family = {root}
+    for _ in range(4):  # bench -> disagg up -> workers (-> their helpers)
+        family |= {pid for pid, (ppid, _) in stats.items() if ppid in family}
+    for pid in family:
+        total += stats.get(pid, (0, 0))[1]
+    return total
+
+
+class ForeignCpu:
+    """Cores used by processes other than this bench and its `disagg up`, between two readings."""
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self._mark()
+
+    def _mark(self) -> None:
+        self.t, self.busy, self.ours = time.monotonic(), _busy_jiffies(), _tree_jiffies(os.getpid())
+
+    def since_mark(self) -> float:
+        t, busy, ours = time.monotonic(), _busy_jiffies(), _tree_jiffies(os.getpid())
+        cores = max((busy - self.busy) - (ours - self.ours), 0) / self.hz / max(t - self.t, 1e-3)
+        self.t, self.busy, self.ours = t, busy, ours
+        return cores
+
+
+def wait_quiet(max_foreign: float, timeout_s: float = 1800) -> None:
+    """Until other processes used under `max_foreign` cores for 5 s in a row (a shared machine)."""
+    cpu, start = ForeignCpu(), time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        time.sleep(5)
+        if cpu.since_mark() < max_foreign:
+            return
+    print(f"  (the machine stayed busy for {timeout_s:.0f} s; measuring anyway)", flush=True)
+
+
 def measure(url: str, workers: list[str], rate: float, duration: float, args: argparse.Namespace,
             seed: int) -> Step:
+    if args.max_foreign_cpu:
+        wait_quiet(args.max_foreign_cpu)
+    cpu = ForeignCpu()
     outcomes = asyncio.run(offer(url, rate, duration, args, seed))
     step = summarize(rate, duration, outcomes, args, wait_idle(workers))
+    step.foreign_cpu = cpu.since_mark()
     print(f"  {rate:7.2f} req/s: goodput {step.goodput:6.2f}/s  429 {step.shed:5.1%}  errors {step.errors:5.1%}  "
           f"TTFT p50 {step.ttft_p50:6.3f} s p99 {step.ttft_p99:6.3f} s  idle after {step.idle_after_s:5.1f} s  "
-          f"statuses {dict(collections.Counter(o.status for o in outcomes))}", flush=True)
+          f"statuses {dict(collections.Counter(o.status for o in outcomes))}  other processes "
+          f"{step.foreign_cpu:.2f} cores", flush=True)
     return step
 
 
@@ -213,11 +270,13 @@ def start(tmp: Path, spec: Path, attempts: int = 3) -> tuple[subprocess.Popen, s
 def table(title: str, capacity: float, steps: list[tuple[float, Step]]) -> str:
     peak = max(s.goodput for _, s in steps) or float("nan")
     lines = [title, f"capacity {capacity:.2f} req/s; peak goodput {peak:.2f}/s",
-             "| load | offered req/s | goodput /s | of peak | 429 | other errors | admitted TTFT p50 | p99 | idle after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| load | offered req/s | goodput /s | of peak | 429 | other errors | admitted TTFT p50 | p99 | idle after "
+             "| other processes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in steps:
         lines.append(f"| {m:g}x | {s.rate:.2f} | {s.goodput:.2f} | {s.goodput / peak:.0%} | {s.shed:.0%} | "
-                     f"{s.errors:.0%} | {s.ttft_p50:.3f} s | {s.ttft_p99:.3f} s | {s.idle_after_s:.1f} s |")
+                     f"{s.errors:.0%} | {s.ttft_p50:.3f} s | {s.ttft_p99:.3f} s | {s.idle_after_s:.1f} s | "
+                     f"{s.foreign_cpu:.2f} cores |")
     return "\n".join(lines)
 
 
@@ -238,6 +297,9 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.25, help="seconds per output token after the first")
     p.add_argument("--label", default="", help="a title for the table")
+    p.add_argument("--max-foreign-cpu", type=float, default=0.3,
+                   help="before each step, wait until other processes used less than this many cores for 5 s "
+                        "(0: do not wait)")
     p.add_argument("--json", help="write the steps here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="overload-") as d:

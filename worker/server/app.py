@@ -71,6 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if loop_.dead:
             return JSONResponse({"status": "error", "reason": loop_.dead}, status_code=500)
+        if state.pd is not None and state.pd.down:  # the prefill hop's probes or discovery (supervision.py)
+            return JSONResponse({"status": "unhealthy", "down": dict(state.pd.down)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
