@@ -244,6 +244,10 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
 
 
 # ---------------------------------------------------------------- router
+ROUTER_PRESTOP_S = 5  # the router pod's preStop sleep: endpoint removal reaches kube-proxy and gateways meanwhile
+ROUTER_GRACE_MARGIN_S = 5
+
+
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     tmp, tmp_mount = _tmp_volume()
     argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
@@ -256,12 +260,26 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
         "readinessProbe": _probe("/ready", 5, 2),  # 503 until the router sees a decode endpoint
         "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK
         "volumeMounts": [tmp_mount],
+        # the Service drops the terminating pod while this sleeps; then SIGTERM: /ready 503 for --drain-delay,
+        # the listener closes, open requests get --drain-timeout (worker/router/draining.py)
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_S)]}}},
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    import math
+
+    from disagg.worker.router.draining import CUT_GRACE_S, DRAIN_DELAY_S, DRAIN_TIMEOUT_S
+
+    drain = {"--drain-delay": DRAIN_DELAY_S, "--drain-timeout": DRAIN_TIMEOUT_S}
+    for flag, value in zip(argv, argv[1:]):  # the router's own flags (extraArgs may set them; the last wins)
+        if flag in drain and value.replace(".", "", 1).isdigit():
+            drain[flag] = float(value)
     pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
-                                "volumes": [tmp], **_placement(spec.router)}
+                                "volumes": [tmp], **_placement(spec.router),
+                                # longer than everything above, so that no stream is cut by a SIGKILL
+                                "terminationGracePeriodSeconds": ROUTER_PRESTOP_S + math.ceil(
+                                    sum(drain.values()) + CUT_GRACE_S) + ROUTER_GRACE_MARGIN_S}
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {
