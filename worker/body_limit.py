@@ -20,6 +20,18 @@ def add_body_arguments(p: Any) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are answered 413 (told by Content-Length before reading, else while "
                         "reading)")
+    p.add_argument("--request-body-timeout", type=float, default=BODY_IDLE_TIMEOUT_S,
+                   help="seconds a request body may send nothing before it is answered 408")
+
+
+def body_limit_problems(args: Any) -> list[str]:
+    """What is wrong with the body flags (each named)."""
+    out = []
+    if args.max_request_body_bytes < 1:
+        out.append(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.request_body_timeout > 0:
+        out.append(f"--request-body-timeout must be > 0 seconds, got {args.request_body_timeout}")
+    return out
 
 
 class LimitRequestBody:

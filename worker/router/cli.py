@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
-from disagg.worker.body_limit import LimitRequestBody, add_body_arguments
+from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
 from disagg.worker.router.draining import DRAIN_DELAY_S, DRAIN_TIMEOUT_S
 from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing, graceful_config
 
@@ -55,14 +55,14 @@ def run(args: argparse.Namespace) -> int:
         if args.drain_delay < 0 or args.drain_timeout < 0:
             raise ValueError(f"--drain-delay and --drain-timeout must be >= 0 seconds, got {args.drain_delay} and "
                              f"{args.drain_timeout}")
-        if args.max_request_body_bytes < 1:
-            raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+        if problems := body_limit_problems(args):
+            raise ValueError("; ".join(problems))
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     state = routing.state
     app = build_app(state)
-    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes, idle_s=args.request_body_timeout)
     if keys is not None:
         app.add_middleware(RequireApiKey, keys=keys)
     else:

@@ -217,13 +217,13 @@ async def _prefill(state: Any, engine_url: str, path: str, body: dict[str, Any],
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from disagg.worker.body_limit import LimitRequestBody
+    from disagg.worker.body_limit import LimitRequestBody, body_limit_problems
     from disagg.worker.kv_transfer.handoff_auth import signer_from_env
     from disagg.worker.router.routing import GracefulServer, build_routing, graceful_config
 
     try:
-        if args.max_request_body_bytes < 1:
-            raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+        if problems := body_limit_problems(args):
+            raise ValueError("; ".join(problems))
         args.decode = [args.engine_url]  # the one decode "pool" member: the engine behind this proxy
         routing = build_routing(args, metrics_role=args.role, need_decode=False)
         # named as its pod (POD_NAME: the downward API, or disagg up's process name) in the per-endpoint metrics
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("no hand-off key ($DISAGG_HANDOFF_KEY): hand-offs are neither signed nor checked; run "
                        "only on a network no one else reaches")
     app = build_app(routing.state, args.engine_url.rstrip("/"), args.role, signer, args.kv_lease_seconds)
-    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes, idle_s=args.request_body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES, LimitRequestBody
+from disagg.worker.body_limit import BODY_IDLE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, LimitRequestBody
 from disagg.worker.server.admission import Preparer, PromptTooLong, QueueFull
 from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
@@ -44,6 +44,7 @@ class ServerState:
     # hand-offs are neither signed nor checked
     signer: Any = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies: 413
+    body_timeout_s: float = BODY_IDLE_TIMEOUT_S  # a body silent this long: 408
     preparer: Preparer = field(default_factory=Preparer)  # parsing, templates, tokenizing, grammars: off the loop
     _ids: itertools.count = field(default_factory=itertools.count)
 
@@ -64,7 +65,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
-    app.add_middleware(LimitRequestBody, max_bytes=state.max_body_bytes, on_reject=state.rejected)
+    app.add_middleware(LimitRequestBody, max_bytes=state.max_body_bytes, idle_s=state.body_timeout_s,
+                       on_reject=state.rejected)
     loop_ = state.engine_loop
 
     @app.get("/health")

@@ -104,8 +104,10 @@ def admission_limits(args: argparse.Namespace) -> Any:
                         ("--max-waiting-prompt-tokens", args.max_waiting_prompt_tokens)):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    from disagg.worker.body_limit import body_limit_problems
+
+    if problems := body_limit_problems(args):
+        raise ValueError("; ".join(problems))
     return AdmissionLimits.of(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting_requests,
                               args.max_waiting_prompt_tokens)
 
@@ -147,7 +149,8 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signe
                              publish_kv_events=publisher.publish if publisher is not None else None, limits=limits)
     state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None,
                         pd=pd.state if pd is not None else None, early_first_token=args.early_first_token,
-                        signer=signer, max_body_bytes=args.max_request_body_bytes)
+                        signer=signer, max_body_bytes=args.max_request_body_bytes,
+                        body_timeout_s=args.request_body_timeout)
     app = build_app(state)
     if keys is not None:
         app.add_middleware(RequireApiKey, keys=keys)

@@ -4,13 +4,14 @@ reading where Content-Length says so, while reading otherwise; 408 on a stalled 
 refusal from the engine's last reading."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
 
 import pytest
 
-from disagg.worker.body_limit import LimitRequestBody
+from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
 from disagg.worker.engine.stats import QueueLoad
 from disagg.worker.model.tokenizer import Tokenizer, length_bound
 from disagg.worker.server.admission import (
@@ -185,3 +186,11 @@ def test_a_body_within_the_limit_reaches_the_app_whole_and_then_the_disconnect()
     assert (status, body) == (200, b"ok") and rejected == []
     assert received == [{"type": "http.request", "body": b"xxxxyyyyyy", "more_body": False},
                         {"type": "http.disconnect"}]
+
+
+def test_the_body_flags_are_checked_and_each_bad_one_named():
+    p = argparse.ArgumentParser()
+    add_body_arguments(p)
+    assert body_limit_problems(p.parse_args([])) == []
+    problems = body_limit_problems(p.parse_args(["--max-request-body-bytes", "0", "--request-body-timeout", "0"]))
+    assert [q.split()[0] for q in problems] == ["--max-request-body-bytes", "--request-body-timeout"]
