@@ -16,8 +16,14 @@ T = TypeVar("T")
 async def unless_disconnected(request: Any, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
     """(True, the answer), or (False, None) when the client disconnected first (the awaitable is cancelled).
     `request`: a Starlette request whose body was read (its next message is the disconnect)."""
+    return await unless(awaitable, _wait_disconnect(request))
+
+
+async def unless(awaitable: Awaitable[T], stop: Awaitable[Any]) -> tuple[bool, T | None]:
+    """(True, the awaitable's result), or (False, None) when `stop` completed first: the awaitable is cancelled,
+    and its cleanup (closing a hop's connection) has run when this returns."""
     task = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
+    watch = asyncio.ensure_future(stop)
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -29,7 +35,7 @@ async def unless_disconnected(request: Any, awaitable: Awaitable[T]) -> tuple[bo
         return True, task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task  # its cleanup (closing a hop's connection) runs before the caller goes on
+        await task
     return False, None
 
 

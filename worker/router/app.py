@@ -11,12 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.client_disconnect import unless_disconnected
-from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S
+from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
 from disagg.worker.router.draining import STOPPING_MESSAGE
 from disagg.worker.router.hop_bodies import check_max_tokens
 from disagg.worker.router.hops import serve
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
-from disagg.worker.router.replies import Reply, error_reply
+from disagg.worker.router.replies import Reply, error_reply, shed_reply
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
 
@@ -132,6 +132,8 @@ async def route(state: RouterState, request: Request, path: str) -> Reply:
     deadline = Deadline(state.timeouts)
 
     async def hops() -> Reply:
+        if (shed := await room_for(state, state.decode, deadline)) is not None:  # before any work for it
+            return shed_reply(shed, headers)
         return await serve(state, await state.plan(body, path), path, body, headers, deadline)
 
     return await answered(state, request, hops())

@@ -10,12 +10,13 @@ Standard library only: the operator sizes the router pod's grace period from the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from disagg.worker.client_disconnect import unless
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +60,4 @@ class Drain:
     async def unless_stopping(self, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
         """(True, its result), or (False, None) when the drain timeout ran out first (the awaitable is
         cancelled)."""
-        task = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            stop.cancel()
-        if task.done():
-            return True, task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return False, None
+        return await unless(awaitable, self.stopping.wait())

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
-from disagg.worker.router.capacity import Shed, next_endpoint, released, room_for, saturated
+from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
 from disagg.worker.router.hop_bodies import decode_bodies, early_first_chunk, needs_prompt_logits, prefill_body
 from disagg.worker.router.policy import RoutePlan
 from disagg.worker.router.relay import DecodeStream, relay
@@ -55,11 +55,10 @@ class PrefillOutcome:
 
 async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any], headers: dict[str, str],
                 deadline: Deadline) -> Reply:
-    """One client request through the hops; `body` is a JSON object whose max_tokens were checked."""
+    """One client request through the hops; `body` is a JSON object whose max_tokens were checked. The caller
+    asked `room_for` the decode pool first (before planning: a request that will be shed costs nothing)."""
     outcome = PrefillOutcome()
     first_chunk: bytes | None = None
-    if (shed := await room_for(state, state.decode, deadline)) is not None:
-        return shed_reply(shed, headers)
     if plan.skip_prefill and state.prefill.endpoints:
         state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
     elif state.prefill.endpoints and not needs_prompt_logits(body):
