@@ -206,12 +206,21 @@ def wait_quiet(max_foreign: float, timeout_s: float = 1800) -> None:
 
 def measure(url: str, workers: list[str], rate: float, duration: float, args: argparse.Namespace,
             seed: int) -> Step:
-    if args.max_foreign_cpu:
-        wait_quiet(args.max_foreign_cpu)
-    cpu = ForeignCpu()
-    outcomes = asyncio.run(offer(url, rate, duration, args, seed))
-    step = summarize(rate, duration, outcomes, args, wait_idle(workers))
-    step.foreign_cpu = cpu.since_mark()
+    """One step; again (up to --tries times, the quietest kept) when other processes took more than twice
+    --max-foreign-cpu meanwhile."""
+    steps = []
+    for _ in range(max(args.tries, 1)):
+        if args.max_foreign_cpu:
+            wait_quiet(args.max_foreign_cpu)
+        cpu = ForeignCpu()
+        outcomes = asyncio.run(offer(url, rate, duration, args, seed))
+        step = summarize(rate, duration, outcomes, args, wait_idle(workers))
+        step.foreign_cpu = cpu.since_mark()
+        steps.append((step, outcomes))
+        if not args.max_foreign_cpu or step.foreign_cpu <= 2 * args.max_foreign_cpu:
+            break
+        print(f"  ({rate:.2f} req/s: other processes took {step.foreign_cpu:.2f} cores; again)", flush=True)
+    step, outcomes = min(steps, key=lambda so: so[0].foreign_cpu)
     print(f"  {rate:7.2f} req/s: goodput {step.goodput:6.2f}/s  429 {step.shed:5.1%}  errors {step.errors:5.1%}  "
           f"TTFT p50 {step.ttft_p50:6.3f} s p99 {step.ttft_p99:6.3f} s  idle after {step.idle_after_s:5.1f} s  "
           f"statuses {dict(collections.Counter(o.status for o in outcomes))}  other processes "
@@ -297,11 +306,13 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.25, help="seconds per output token after the first")
     p.add_argument("--label", default="", help="a title for the table")
+    p.add_argument("--tries", type=int, default=3, help="tries per step on a busy machine (see --max-foreign-cpu)")
     p.add_argument("--max-foreign-cpu", type=float, default=0.3,
                    help="before each step, wait until other processes used less than this many cores for 5 s "
                         "(0: do not wait)")
     p.add_argument("--json", help="write the steps here")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: `disagg up` is stopped too (finally)
     with tempfile.TemporaryDirectory(prefix="overload-") as d:
         tmp = Path(d)
         proc = None
