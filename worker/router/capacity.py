@@ -8,7 +8,9 @@ prefill hop decide what happens, and wait.
   of them finishing (one credit: the worker's queue moved by one; waiters go in arrival order), or a saturation
   running out - at most `queue_wait_s` (and what is left of the request's own bounds), with at most
   `max_queued` requests waiting at once. Past either bound it is shed: 429 with Retry-After, the time until the
-  first saturation runs out (at least 1 s).
+  first saturation runs out (at least 1 s). A committed request - its client already has the 200 and the
+  prefill's first token (the early first token) - is never shed: it waits ahead of the others for as long as its
+  own bounds allow, since shedding it now would cut an answer already started.
 - No endpoint ready at all: one that answers its probes "not ready" (starting) is waited for, within the connect
   bound (probes.await_ready); else the caller answers 503.
 """
@@ -62,14 +64,15 @@ def released(state: RouterState, pool: EndpointPool, ep: Endpoint, freed: bool =
 
 
 async def next_endpoint(state: RouterState, pool: EndpointPool, pick: Callable[[], Endpoint | None],
-                        exclude: set[str], deadline: Deadline, wait_ready: bool = False) -> Endpoint | Shed | None:
+                        exclude: set[str], deadline: Deadline, wait_ready: bool = False,
+                        committed: bool = False) -> Endpoint | Shed | None:
     """The endpoint to send to: pick() at once; when every available endpoint (but `exclude`) is saturated, the
-    first to have room within the queue wait, else Shed; when none is ready and `wait_ready`, one that becomes
-    ready within the connect bound; else None."""
+    first to have room within the queue wait (`committed`: within the request's deadline, ahead of the others),
+    else Shed; when none is ready and `wait_ready`, one that becomes ready within the connect bound; else None."""
     if (ep := pick()) is not None:
         return ep
     if pool.saturated_only(exclude):
-        return await _wait_for_room(state, pool, pick, exclude, deadline)
+        return await _wait_for_room(state, pool, pick, exclude, deadline, committed)
     if wait_ready and await await_ready(state, pool, deadline):
         return pick()
     return None
@@ -89,13 +92,14 @@ def _peek(pool: EndpointPool) -> Endpoint | None:
 
 
 async def _wait_for_room(state: RouterState, pool: EndpointPool, pick: Callable[[], Endpoint | None],
-                         exclude: set[str], deadline: Deadline) -> Endpoint | Shed | None:
+                         exclude: set[str], deadline: Deadline, committed: bool = False) -> Endpoint | Shed | None:
     room = state.room(pool)
     loop = asyncio.get_running_loop()
-    until = loop.time() + min(room.queue_wait_s, max(deadline.remaining(), 0.0))
-    if room.waiting < room.max_queued:
+    wait_s = max(deadline.remaining(), 0.0)
+    until = loop.time() + (wait_s if committed else min(room.queue_wait_s, wait_s))
+    if committed or room.waiting < room.max_queued:
         while (left := until - loop.time()) > 0:
-            await room.wait(left)
+            await room.wait(left, committed)
             if (ep := pick()) is not None:
                 return ep
             if not pool.saturated_only(exclude):

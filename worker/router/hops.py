@@ -166,7 +166,7 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
         yield first_chunk
         came, opened = await state.drain.unless_stopping(open_decode(
             state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
-            ticket=outcome.ticket))
+            ticket=outcome.ticket, committed=True))
         if not came:  # the router's drain timeout ran out
             yield sse_error(STOPPING_MESSAGE, 503, "service_unavailable")
             return
@@ -182,9 +182,11 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
                       alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
                       revisions: set[str | None] | None, count_first_byte: bool = True,
-                      ticket: str | None = None) -> DecodeStream | Reply:
+                      ticket: str | None = None, committed: bool = False) -> DecodeStream | Reply:
     """A decode endpoint's stream that has its first byte, or the Reply to give the client (the whole answer
-    when not streamed, or why none came). `ticket`: the hand-off d_body carries, in the router's ledger."""
+    when not streamed, or why none came). `ticket`: the hand-off d_body carries, in the router's ledger.
+    `committed`: the client has its 200 already: with every decode endpoint at capacity it waits for room
+    (capacity.next_endpoint) rather than being shed mid-answer."""
     tried: set[str] = set()  # sent to
     failed: set[str] = set()  # and failed (a 429 is no failure: the endpoint waits out its Retry-After)
     timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
@@ -194,7 +196,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
         # none ready: one that answers its probes (a pod just started, in a rollout's hand-over) may be ready
         # within the connect bound - waited for once, before any other try, rather than refused at once
         ep = await next_endpoint(state, state.decode, lambda: state.pick_decode(plan, failed, revisions), failed,
-                                 deadline, wait_ready=not tried)
+                                 deadline, wait_ready=not tried, committed=committed)
         if ep is None:
             break
         if isinstance(ep, Shed):

@@ -151,6 +151,37 @@ async def test_a_request_waiting_for_room_takes_the_room_a_finished_request_free
 
 
 @pytest.mark.asyncio
+async def test_a_request_whose_200_was_sent_is_never_shed_and_takes_the_first_room_freed():
+    """The early first token sent the 200 before the decode hop: shedding it then would cut a started answer."""
+    from disagg.worker.router.capacity import Shed, next_endpoint, released
+    from disagg.worker.router.policy import RoutePlan
+    from disagg.worker.router.timeouts import Deadline
+
+    _, _, state = router({}, {D1: "ok"}, queue_wait_s=0.3)
+    d1 = state.decode.endpoints[D1]
+    state.decode.mark_saturated(d1, 30.0)
+    d1.outstanding = 2
+
+    def pick():
+        return state.pick_decode(RoutePlan(), set(), None)
+
+    def waiter(committed: bool) -> asyncio.Future:
+        return asyncio.ensure_future(next_endpoint(state, state.decode, pick, set(), Deadline(state.timeouts),
+                                                   committed=committed))
+
+    newcomer, committed = waiter(False), waiter(True)
+    await asyncio.sleep(0.5)  # past the queue wait
+    assert isinstance(newcomer.result(), Shed) and not committed.done()
+    later, committed_later = waiter(False), waiter(True)
+    await asyncio.sleep(0.05)
+    released(state, state.decode, d1)  # room for one: the committed requests take it first, in arrival order
+    assert await asyncio.wait_for(committed, 1) is d1 and not committed_later.done() and not later.done()
+    released(state, state.decode, d1)
+    assert await asyncio.wait_for(committed_later, 1) is d1 and not later.done()
+    assert isinstance(await asyncio.wait_for(later, 5), Shed)
+
+
+@pytest.mark.asyncio
 async def test_every_prefill_saturated_sheds_rather_than_decoding_alone():
     client, workers, state = router({P1: "429", P2: "429"}, {D1: "ok"})
     r = await client.post("/v1/completions", json=BODY)
