@@ -10,7 +10,10 @@ moved from prefill to decode. The oracle hit rate is what a router that knows ev
 first request of a tenant computes its prefix, every later one reuses all of its full blocks. Prints the ratios
 prefix-aware / round-robin at the highest rate where round-robin's p90 TTFT is under 2 s.
 
-    python bench/prefix_routing.py [--rates 4 8 16] [--num-requests 48] [--tenants 8]
+    python bench/prefix_routing.py [--rates 4 8 16] [--num-requests 48] [--tenants 8] [--gateway]
+
+With --gateway the clients go through a real Envoy whose ext_proc is our endpoint picker (`disagg up --gateway`):
+the same policies, picked by the gateway instead of proxied by the router.
 
 The policies run one after the other (a fresh `disagg up` each, so no cache carries over). Not a test.
 """
@@ -93,7 +96,7 @@ async def run_load(url: str, rate: float, requests: list[tuple[int, str]], max_t
 
 
 def start_up(tmp: Path, policy: str, model_dir: str, connector: str, worker_args: list[str],
-             router_args: list[str]) -> tuple:
+             router_args: list[str], gateway: bool = False) -> tuple:
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     spec = doc["spec"]
     spec["model"]["source"] = {"path": model_dir}
@@ -101,16 +104,19 @@ def start_up(tmp: Path, policy: str, model_dir: str, connector: str, worker_args
     spec["kvTransfer"]["connector"] = connector
     spec["prefill"]["replicas"] = spec["decode"]["replicas"] = 2
     spec["router"]["policy"] = policy
-    if policy == "prefix-aware":
-        spec["router"]["extraArgs"] = router_args
+    if policy == "prefix-aware":  # the router's flags; behind the gateway the endpoint picker takes them
+        if gateway:
+            spec.setdefault("gateway", {})["endpointPicker"] = {"extraArgs": router_args}
+        else:
+            spec["router"]["extraArgs"] = router_args
     (tmp / f"spec-{policy}.yaml").write_text(yaml.safe_dump(doc))
     port, out = free_port(), tmp / f"up-{policy}.out"
     proc = subprocess.Popen([*CLI, "up", "-f", str(tmp / f"spec-{policy}.yaml"), "--port", str(port), "--log-dir",
                              str(tmp / f"logs-{policy}"), "--startup-timeout", "300",
-                             *[f"--worker-arg={a}" for a in worker_args]],
+                             *(["--gateway"] if gateway else []), *[f"--worker-arg={a}" for a in worker_args]],
                             stdout=out.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 330
-    while "serving" not in out.read_text():
+    while "  -> " not in out.read_text():  # its first request answered
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"disagg up failed:\n{out.read_text()}")
         time.sleep(0.5)
@@ -131,7 +137,7 @@ def measure_policy(tmp: Path, policy: str, args: argparse.Namespace, model_dir: 
                    tok: Tokenizer, systems: list[str]) -> dict[float, dict]:
     proc, url, workers = start_up(tmp, policy, model_dir, args.connector, args.worker_args,
                                   ["--prefix-skip-prefill-blocks", str(args.skip_prefill_blocks),
-                                   "--prefix-load-cost-tokens", str(args.load_cost_tokens)])
+                                   "--prefix-load-cost-tokens", str(args.load_cost_tokens)], args.gateway)
     out = {}
     try:
         if policy == "prefix-aware":  # the router learns the tokenizer and subscribes within a probe interval
@@ -199,6 +205,8 @@ def main() -> int:
                    "something next to the HTTP hops for a prefix hit to show in TTFT")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--gateway", action="store_true", help="clients go through `disagg up --gateway` (Envoy + our "
+                   "endpoint picker, which routes by the same policy) instead of the router")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 5 processes on a small machine (see pd_serving.py)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as d:
@@ -216,6 +224,7 @@ def main() -> int:
         blocks = args.num_kv_blocks or max(int(prefix_blocks * 0.6), 1024 // BLOCK_SIZE + 8)
         print(f"{args.tenants} tenants, prefixes {prefix_blocks} blocks in all; {blocks} KV blocks per worker; "
               f"model hidden {args.hidden_size} x {layers} layers; connector {args.connector}; "
+              f"front door {'Envoy + endpoint picker' if args.gateway else 'router'}; "
               f"the machine is shared, so absolute figures are noisy", flush=True)
         args.worker_args = [f"--num-kv-blocks={blocks}"]
         bytes_per_token = 2 * layers * kv_heads * head_dim * 4  # K and V, float32

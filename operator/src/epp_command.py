@@ -19,5 +19,5 @@ def build_epp_command(spec: s.DisaggregatedInferenceSpec, placement: EppPlacemen
     wins."""
     argv = [EXECUTABLE, "epp", "--host", placement.host, "--grpc-port", str(placement.grpc_port),
             "--health-port", str(placement.health_port), "--metrics-port", str(placement.metrics_port),
-            *routing_args(spec, placement.discovery, placement.kv_events_ports)]
+            *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s)]
     return [*argv, *spec.gateway.endpoint_picker.extra_args]

@@ -30,15 +30,18 @@ LOOPBACK = "127.0.0.1"  # engine vllm: vLLM listens on the pod's loopback, `disa
 
 @dataclass(frozen=True)
 class PrefillPool:
-    """Where a decode worker behind a gateway finds the prefill pods its prefill hop may go to (its allowlist):
-    Kubernetes pods of this resource."""
-    namespace: str
-    selector: str  # label selector of the resource's prefill pods
-    port: int  # their HTTP port
+    """Where a decode worker behind a gateway finds the prefill workers its prefill hop may go to (its allowlist):
+    Kubernetes pods of this resource (namespace + selector + port), or `disagg up`'s endpoints file."""
+    namespace: str = ""
+    selector: str = ""  # label selector of the resource's prefill pods
+    port: int = HTTP_PORT  # their HTTP port
+    endpoints_file: str | None = None  # one host: the file the launcher rewrites as workers come and go
 
     def flags(self, prefix: str = "") -> list[str]:
         """The routing flags naming the pool: `--discovery ...` (pd-proxy), `--pd-discovery ...` (our worker)."""
         p = f"--{prefix}"
+        if self.endpoints_file is not None:
+            return [f"{p}discovery", "file", f"{p}endpoints-file", self.endpoints_file]
         return [f"{p}discovery", "kubernetes", f"{p}namespace", self.namespace,
                 f"{p}prefill-selector", self.selector, f"{p}worker-port", str(self.port)]
 
@@ -74,6 +77,7 @@ class EppPlacement:
     metrics_port: int  # HTTP /health, /ready, /metrics
     discovery: tuple[str, ...]
     kv_events_ports: tuple[int, int] | None = None  # as RouterPlacement's
+    probe_interval_s: float | None = None  # None: the picker's default
 
 
 @dataclass(frozen=True)
@@ -150,13 +154,32 @@ def model_cache_dir(spec: s.DisaggregatedInferenceSpec, cache_root: str) -> str:
 
 # ---------------------------------------------------------------- one host
 def local_placement(*, host: str, port_for: Callable[[], int], model_dir: str, kv_dir: str,
-                    kv_events: bool) -> Placement:
+                    kv_events: bool, prefill_pool: PrefillPool | None = None) -> Placement:
     """A worker process on `host`, on fresh ports (`port_for()` hands out a free one): HTTP, then the KV-events
     pair when `kv_events`, then the side channel."""
     port = port_for()
     events = (port_for(), port_for()) if kv_events else None
     return Placement(host=host, port=port, advertise_host=host, side_channel_port=port_for(), model_dir=model_dir,
-                     shared_storage_path=kv_dir, kv_events_ports=events)
+                     shared_storage_path=kv_dir, kv_events_ports=events, prefill_pool=prefill_pool)
+
+
+def local_prefill_pool(endpoints_file: str) -> PrefillPool:
+    """A decode worker behind `disagg up --gateway`: the prefill workers of the launcher's endpoints file."""
+    return PrefillPool(endpoints_file=endpoints_file)
+
+
+def local_proxy_placement(*, host: str, port: int, engine_url: str,
+                          prefill_pool: PrefillPool | None = None) -> ProxyPlacement:
+    """`disagg pd-proxy` in front of a local vLLM process (on `engine_url`), on the worker's URL's port."""
+    return ProxyPlacement(host=host, port=port, engine_url=engine_url, prefill_pool=prefill_pool)
+
+
+def local_epp_placement(*, host: str, port_for: Callable[[], int], endpoints_file: str,
+                        probe_interval_s: float) -> EppPlacement:
+    """`disagg up --gateway`'s endpoint picker: fresh ports, the workers of the launcher's endpoints file."""
+    return EppPlacement(host=host, grpc_port=port_for(), health_port=port_for(), metrics_port=port_for(),
+                        discovery=("--discovery", "file", "--endpoints-file", endpoints_file),
+                        probe_interval_s=probe_interval_s)
 
 
 def local_router_placement(*, host: str, port: int, probe_interval_s: float, endpoints_file: str | None = None,

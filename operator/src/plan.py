@@ -17,15 +17,16 @@ from disagg.operator.naming import KV_EVENTS_TOPIC
 from disagg.operator.epp_command import build_epp_command
 from disagg.operator.pd_proxy_command import build_pd_proxy_command
 from disagg.operator.placement import (
-    PrefillPool, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool, kubernetes_proxy_placement,
-    kubernetes_router_placement, local_placement, local_router_placement, model_cache_dir, pod_model_dir,
+    EppPlacement, PrefillPool, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool,
+    kubernetes_proxy_placement, kubernetes_router_placement, local_epp_placement, local_placement,
+    local_prefill_pool, local_proxy_placement, local_router_placement, model_cache_dir, pod_model_dir,
 )
 from disagg.operator.router_command import build_router_command
 from disagg.operator.worker_command import Role, WorkerCommand, build_fetch_command, build_worker_command
 
 __all__ = ["LocalWorker", "Problem", "Role", "autoscaler_owns_replicas", "check_local", "initial_replicas",
-           "local_router_command", "local_worker", "model_cache_dir", "pod_epp_command", "pod_fetch_command",
-           "pod_model_dir", "pod_pd_proxy_command", "pod_router_command", "pod_worker_command"]
+           "local_epp_command", "local_router_command", "local_worker", "model_cache_dir", "pod_epp_command",
+           "pod_fetch_command", "pod_model_dir", "pod_pd_proxy_command", "pod_router_command", "pod_worker_command"]
 
 
 # ---------------------------------------------------------------- replicas (both targets)
@@ -93,11 +94,17 @@ class LocalWorker:
 
 
 def local_worker(spec: s.DisaggregatedInferenceSpec, role: Role, *, host: str, port_for: Callable[[], int],
-                 model_dir: str, kv_dir: str) -> LocalWorker:
-    """One prefill or decode worker on `host`, on fresh ports (`port_for()` hands out a free one)."""
+                 model_dir: str, kv_dir: str, endpoints_file: str | None = None,
+                 gateway: bool = False) -> LocalWorker:
+    """One prefill or decode worker on `host`, on fresh ports (`port_for()` hands out a free one). With `gateway`
+    a decode worker takes prefill targets from the prefill workers of `endpoints_file` (its allowlist). Engine
+    vllm runs as on Kubernetes, behind `disagg pd-proxy`, which here starts it (`pd-proxy ... -- vllm serve ...`)
+    and owns the worker's URL; vLLM listens on a port of its own."""
     prefix_aware = spec.router.policy == "prefix-aware"
+    pool = local_prefill_pool(endpoints_file) if gateway and role == "decode" and endpoints_file else None
+    proxy_port = port_for() if spec.engine == "vllm" else None
     placement = local_placement(host=host, port_for=port_for, model_dir=model_dir, kv_dir=kv_dir,
-                                kv_events=prefix_aware)
+                                kv_events=prefix_aware, prefill_pool=pool)
     command = build_worker_command(spec, role, placement)
     env = {**command.env, **{e.name: e.value for e in getattr(spec, role).env if e.value is not None}}
     kv_events = None
@@ -105,7 +112,19 @@ def local_worker(spec: s.DisaggregatedInferenceSpec, role: Role, *, host: str, p
         pub, replay = placement.kv_events_ports
         kv_events = {"endpoint": f"tcp://{host}:{pub}", "replay_endpoint": f"tcp://{host}:{replay}",
                      "topic": KV_EVENTS_TOPIC if spec.engine == "vllm" else ""}
-    return LocalWorker(command.argv, env, f"http://{host}:{placement.port}", kv_events)
+    if proxy_port is None:
+        return LocalWorker(command.argv, env, f"http://{host}:{placement.port}", kv_events)
+    proxy = build_pd_proxy_command(spec, role, local_proxy_placement(
+        host=host, port=proxy_port, engine_url=f"http://{host}:{placement.port}", prefill_pool=pool))
+    return LocalWorker([*proxy, "--", *command.argv], env, f"http://{host}:{proxy_port}", kv_events)
+
+
+def local_epp_command(spec: s.DisaggregatedInferenceSpec, *, host: str, port_for: Callable[[], int],
+                      endpoints_file: str, probe_interval_s: float) -> tuple[list[str], EppPlacement]:
+    """`disagg up --gateway`'s endpoint picker on fresh ports, following the launcher's endpoints file."""
+    placement = local_epp_placement(host=host, port_for=port_for, endpoints_file=endpoints_file,
+                                    probe_interval_s=probe_interval_s)
+    return build_epp_command(spec, placement), placement
 
 
 def local_router_command(spec: s.DisaggregatedInferenceSpec, *, host: str, port: int, probe_interval_s: float,

@@ -7,8 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import waiting
 
-from vllm_env import VLLM_ENV
+from vllm_env import ALONE_ENV, ENGINE_ARGS, KINDS, MODEL, STARTUP_S, VLLM_ENV, generate
+
+from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
 SKIP_REASON = (f"{VLLM_ENV} is not set: run .ci/install-vllm.sh and export {VLLM_ENV}=<the path it prints> "
                "to run the vLLM tier")
@@ -38,3 +41,22 @@ def vllm_model_dir(tmp_path_factory) -> str:
 
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("vllm-tiny"), hidden_size=256, num_heads=4,
                                      num_kv_heads=2, intermediate_size=512, num_layers=2))
+
+
+@pytest.fixture(scope="session")
+def reference_texts(vllm_executable, vllm_model_dir, tmp_path_factory) -> dict[str, str]:
+    """One colocated `vllm serve` (no KV connector): the greedy texts P/D must reproduce."""
+    port = free_port()
+    argv = [vllm_executable, "serve", vllm_model_dir, "--served-model-name", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *ENGINE_ARGS]
+    proc = LocalProcess(ProcessSpec("reference", argv, f"http://127.0.0.1:{port}", dict(ALONE_ENV)),
+                        tmp_path_factory.mktemp("vllm-ref"))
+    proc.start()
+    try:
+        waiting.wait_for(lambda: is_ready(proc.spec.url) or proc.exited() is not None, STARTUP_S, "the reference vLLM",
+                         interval=0.5)
+        assert proc.exited() is None, proc.log_tail(40)
+        return {kind: generate(proc.spec.url, kind, False) for kind in KINDS}
+    finally:
+        proc.terminate()
+        proc.popen.wait(60)

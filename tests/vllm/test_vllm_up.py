@@ -7,24 +7,17 @@ reference runs first and alone, and the P/D set only as long as its tests need i
 from __future__ import annotations
 
 import functools
-import json
 import signal
 import time
 
 import httpx
 import pytest
 import waiting
-from vllm_env import ALONE_ENV, ENGINE_ENV, disagg_up
+from vllm_env import ENGINE_ARGS, ENGINE_ENV, KINDS, MODEL, STARTUP_S, disagg_up, generate  # noqa: F401 (re-exported)
 
-from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
+from disagg.worker.local.process import free_port
 
-MODEL = "tiny-vllm"
-PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
-KINDS = ("completion", "chat")
-STARTUP_S = 400  # two or three vLLM processes starting on two cores
 wait_for = functools.partial(waiting.wait_for, interval=0.5)
-ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
 
 
 def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> dict:
@@ -39,28 +32,6 @@ def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> di
                      "router": {"policy": "least-loaded"}}}
 
 
-def generate(url: str, kind: str, stream: bool, max_tokens: int = 12) -> str:
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
-            **({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})}
-    if not stream:
-        r = httpx.post(url + path, json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == max_tokens
-        choice = r.json()["choices"][0]
-        return choice["message"]["content"] if kind == "chat" else choice["text"]
-    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]", lines
-    text = ""
-    for chunk in map(json.loads, lines[:-1]):
-        assert "error" not in chunk, chunk
-        for choice in chunk["choices"]:
-            text += (choice["delta"].get("content") or "") if kind == "chat" else choice["text"]
-    return text
-
-
 def metric_sum(url: str, name: str) -> float:
     """Sum of a metric's samples (all label sets) on url/metrics."""
     total, found = 0.0, False
@@ -69,24 +40,6 @@ def metric_sum(url: str, name: str) -> float:
             total, found = total + float(line.rsplit(" ", 1)[1]), True
     assert found, f"{name} not in {url}/metrics"
     return total
-
-
-@pytest.fixture(scope="module")
-def reference_texts(vllm_executable, vllm_model_dir, tmp_path_factory) -> dict[str, str]:
-    """One colocated `vllm serve` (no KV connector): the greedy texts P/D must reproduce."""
-    port = free_port()
-    argv = [vllm_executable, "serve", vllm_model_dir, "--served-model-name", MODEL, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *ENGINE_ARGS]
-    proc = LocalProcess(ProcessSpec("reference", argv, f"http://127.0.0.1:{port}", dict(ALONE_ENV)),
-                        tmp_path_factory.mktemp("vllm-ref"))
-    proc.start()
-    try:
-        wait_for(lambda: is_ready(proc.spec.url) or proc.exited() is not None, STARTUP_S, "the reference vLLM")
-        assert proc.exited() is None, proc.log_tail(40)
-        return {kind: generate(proc.spec.url, kind, False) for kind in KINDS}
-    finally:
-        proc.terminate()
-        proc.popen.wait(60)
 
 
 @pytest.fixture(scope="module")

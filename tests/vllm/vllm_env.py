@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import waiting
 import yaml
 
@@ -21,6 +23,12 @@ VLLM_ENV = "DISAGG_VLLM"  # the `vllm` executable (the launcher .ci/install-vllm
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 ALONE_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}"}
 
+MODEL = "tiny-vllm"
+PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
+KINDS = ("completion", "chat")
+STARTUP_S = 400  # two or three vLLM processes starting on two cores
+ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "disagg.worker.cli"]
@@ -61,3 +69,25 @@ def what_it_said(tmp: Path, launcher_output: str) -> str:
     logs = sorted((tmp / "logs").glob("*.log"))
     return f"--- disagg up\n{launcher_output}" + "".join(
         f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]) for p in logs)
+
+
+def generate(url: str, kind: str, stream: bool, max_tokens: int = 12) -> str:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})}
+    if not stream:
+        r = httpx.post(url + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if kind == "chat" else choice["text"]
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    text = ""
+    for chunk in map(json.loads, lines[:-1]):
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            text += (choice["delta"].get("content") or "") if kind == "chat" else choice["text"]
+    return text

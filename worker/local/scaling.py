@@ -39,7 +39,7 @@ class WorkerSet:
     def __init__(self, new_worker: Callable[[str, int], ProcessSpec], log_dir: Path, endpoints_file: Path,
                  router_url: str, say: Callable[[str], None], *, leave_timeout_s: float = 5.0,
                  grace_s: Callable[[str], float] = lambda role: 120.0, clock: Callable[[], float] = time.monotonic,
-                 router_verify: Any = True):
+                 router_verify: Any = True, on_membership: Callable[[dict[str, list[str]]], None] | None = None):
         self.new_worker = new_worker  # (role, index) -> the process to start on fresh ports
         self.log_dir = log_dir
         self.endpoints_file = endpoints_file
@@ -49,6 +49,7 @@ class WorkerSet:
         self.leave_timeout_s = leave_timeout_s  # SIGTERM even if the router still lists it after this
         self.grace_s = grace_s  # role -> seconds a draining worker gets before it is killed
         self.clock = clock
+        self.on_membership = on_membership  # also told each new membership (the gateway's fail-open pool)
         self.workers: list[LocalProcess] = []
         self._written: tuple | None = None
 
@@ -97,6 +98,8 @@ class WorkerSet:
             events = {p.spec.url: p.spec.kv_events for role in ROLES for p in self.active(role) if p.spec.kv_events}
             names = {p.spec.url: p.spec.name for role in ROLES for p in self.active(role)}
             write_endpoints(self.endpoints_file, urls["prefill"], urls["decode"], events, names)
+            if self.on_membership is not None:
+                self.on_membership(urls)
             self._written = key
 
     # ---------------------------------------------------------------- supervision

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for open requests after SIGTERM")
     add_body_arguments(p)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- ENGINE COMMAND",
+                   help="start the engine as this proxy's child (`disagg up`: `-- vllm serve ...`): it gets SIGTERM "
+                        "once the proxy has drained, and the proxy exits when it does; in a pod the engine is a "
+                        "container of its own and this is left out")
 
 
 def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: float) -> Any:
@@ -248,5 +252,46 @@ def run(args: argparse.Namespace) -> int:
                                             log_level=args.log_level.lower()),
                             routing.state.drain, drain_timeout_s=args.drain_timeout)
     app.state.server = server
-    server.run()
+    command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
+    with _engine_child(command, server, args.drain_timeout) as engine:
+        server.run()
+    if engine is not None and engine.returncode not in (0, None) and not server.draining:
+        logger.error("the engine exited with status %s", engine.returncode)
+        return 1
     return 0 if server.started else 1
+
+
+@contextlib.contextmanager
+def _engine_child(command: list[str], server: Any, drain_s: float) -> Any:
+    """The engine as this process's child (when a command is given): started before serving, watched (its exit
+    stops the proxy), and SIGTERMed after the proxy drained, given the drain time to stop."""
+    if not command:
+        yield None
+        return
+    import signal
+    import subprocess
+    import threading
+
+    from disagg.worker.local.process import die_with_parent
+
+    engine = subprocess.Popen(command, preexec_fn=die_with_parent)
+    logger.info("engine started (pid %d): %s", engine.pid, " ".join(command[:3]))
+
+    def watch() -> None:
+        engine.wait()
+        if not server.should_exit:
+            logger.error("the engine exited (status %s); stopping", engine.returncode)
+            server.should_exit = True
+
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+    try:
+        yield engine
+    finally:
+        if engine.poll() is None:
+            engine.send_signal(signal.SIGTERM)
+            try:
+                engine.wait(drain_s + 10)
+            except subprocess.TimeoutExpired:
+                logger.error("the engine did not stop within %.0f s; killing it", drain_s + 10)
+                engine.kill()
+                engine.wait()

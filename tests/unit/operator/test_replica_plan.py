@@ -55,7 +55,7 @@ def test_the_operator_and_disagg_up_start_the_same_pool(given, want):
     [created] = [c for c in cluster.created
                  if c["kind"] == "Deployment" and c["metadata"]["name"] == child_name("x", "decode")]
     ports = iter(range(9000, 9100))
-    local = [p for p in plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv") if p.role == "decode"]
+    local = [p for p in plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").processes if p.role == "decode"]
     assert created["spec"]["replicas"] == len(local) == want[1]
 
 

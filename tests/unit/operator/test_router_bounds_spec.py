@@ -41,7 +41,7 @@ def test_router_bounds_reach_the_router_pod_and_the_local_router():
     dep = m.build_router_deployment(OWNER, spec)
     assert parsed_router_args(dep["spec"]["template"]["spec"]["containers"][0]["args"]) == WANT
     ports = iter(range(9000, 9100))
-    local = plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv")[-1].argv
+    local = plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").processes[-1].argv
     assert parsed_router_args(local) == WANT
 
 

@@ -72,7 +72,7 @@ def router_command(spec: s.DisaggregatedInferenceSpec, target: str) -> tuple[lis
     ports = iter(range(20000, 20200))
     procs = launcher.plan(spec, "/ckpt", "127.0.0.1", 8100, lambda: next(ports), "/kv",
                           endpoints_file="/logs/endpoints.json" if target == "local-file" else None,
-                          vllm_executable="/bin/true")
+                          vllm_executable="/bin/true").processes
     assert procs[-1].role == "router"
     return procs[-1].argv, procs[:-1]
 

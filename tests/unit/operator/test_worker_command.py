@@ -298,10 +298,15 @@ def test_disagg_up_runs_the_vllm_command_with_local_placement(tmp_path):
     ports = iter(range(20000, 20100))
     local = worker_spec(spec, "decode", 0, "/opt/model", "127.0.0.1", lambda: next(ports), str(tmp_path),
                         vllm_executable="/opt/vllm/bin/vllm")
-    assert local.argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/opt/model"]
+    # as in a pod: `disagg pd-proxy` owns the worker's URL and starts vLLM behind it (`pd-proxy ... -- vllm serve`)
+    proxy, engine = local.argv[:local.argv.index("--")], local.argv[local.argv.index("--") + 1:]
+    assert proxy[1:3] == ["-m", "disagg.worker.cli"] and "pd-proxy" in proxy
+    assert engine[:3] == ["/opt/vllm/bin/vllm", "serve", "/opt/model"]
     assert local.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    assert local.url == f"http://127.0.0.1:{flag_value(local.argv, '--port')}"
-    assert local.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != flag_value(local.argv, "--port")
+    assert local.url == f"http://127.0.0.1:{flag_value(proxy, '--port')}"
+    assert flag_value(proxy, "--engine-url") == f"http://127.0.0.1:{flag_value(engine, '--port')}"
+    assert len({flag_value(proxy, "--port"), flag_value(engine, "--port"),
+                local.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]}) == 3
 
 
 def test_disagg_up_with_engine_vllm_says_clearly_when_vllm_is_missing(tmp_path, monkeypatch, capsys):

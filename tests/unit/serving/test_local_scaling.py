@@ -93,7 +93,7 @@ SCALED = {"model": {"servedName": "tiny"}, "prefill": {"replicas": 1}, "decode":
 def test_plan_with_an_endpoints_file_starts_replicas_inside_the_autoscaling_bounds():
     ports = iter(range(9000, 9100))
     procs = plan(parse_spec(SCALED), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv",
-                 endpoints_file="/logs/endpoints.json")
+                 endpoints_file="/logs/endpoints.json").processes
     assert [(p.name, p.role) for p in procs] == [("prefill-0", "prefill"), ("decode-0", "decode"),
                                                  ("decode-1", "decode"), ("router", "router")]
     router = procs[-1].argv

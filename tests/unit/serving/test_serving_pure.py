@@ -162,7 +162,7 @@ LOCAL = {"model": {"servedName": "tiny", "dtype": "float32", "maxModelLen": 256}
 
 def test_launcher_plan_gives_each_worker_its_ports_and_the_router_every_url():
     ports = iter(range(9000, 9100))
-    procs = plan(parse_spec(LOCAL), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv")
+    procs = plan(parse_spec(LOCAL), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").processes
     assert [p.name for p in procs] == ["prefill-0", "decode-0", "decode-1", "router"]
     prefill = procs[0].argv
     assert prefill[prefill.index("--role") + 1] == "prefill"
@@ -176,7 +176,7 @@ def test_launcher_plan_gives_each_worker_its_ports_and_the_router_every_url():
     assert router[router.index("--decode") + 1:router.index("--decode") + 3] == [p.url for p in procs[1:3]]
     assert router[router.index("--policy") + 1] == "round-robin"
     shared = plan(parse_spec({**LOCAL, "kvTransfer": {"connector": "SharedStorageConnector"}}), "/ckpt",
-                  "127.0.0.1", 8000, lambda: next(ports), "/kv")
+                  "127.0.0.1", 8000, lambda: next(ports), "/kv").processes
     assert "--kv-shared-storage-path" in shared[0].argv and "--kv-side-channel-port" not in shared[0].argv
     assert "'{\"model\": \"tiny\"" in curl_example("http://r", "tiny")
 
@@ -187,10 +187,10 @@ def test_every_local_worker_gets_the_runs_hand_off_key_and_a_key_the_spec_names_
     ports = iter(range(9000, 9100))
     key = handoff_env("demo")
     assert key["DISAGG_HANDOFF_RESOURCE"] == "local/demo" and key != handoff_env("demo")  # fresh per run
-    procs = plan(parse_spec(LOCAL), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key)
+    procs = plan(parse_spec(LOCAL), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key).processes
     assert [p.env.get("DISAGG_HANDOFF_KEY") for p in procs] == [key["DISAGG_HANDOFF_KEY"]] * 3 + [None]
     own = {**LOCAL, "decode": {"replicas": 1, "env": [{"name": "DISAGG_HANDOFF_KEY", "value": "mine"}]}}
-    procs = plan(parse_spec(own), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key)
+    procs = plan(parse_spec(own), "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", handoff=key).processes
     assert procs[1].env["DISAGG_HANDOFF_KEY"] == "mine"
 
 
@@ -249,9 +249,9 @@ def test_a_vllm_bind_the_user_set_is_kept(monkeypatch):
                        "prefill": {**LOCAL["prefill"], "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND",
                                                                 "value": "nobind"}]}})
     ports = iter(range(9000, 9100))
-    procs = plan(vllm, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", vllm_executable="/bin/true")
+    procs = plan(vllm, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", vllm_executable="/bin/true").processes
     assert procs[0].env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert procs[1].env["VLLM_CPU_OMP_THREADS_BIND"]  # decode: the launcher's choice
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    procs = plan(vllm, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", vllm_executable="/bin/true")
+    procs = plan(vllm, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", vllm_executable="/bin/true").processes
     assert "VLLM_CPU_OMP_THREADS_BIND" not in procs[1].env  # inherited from the caller's environment
