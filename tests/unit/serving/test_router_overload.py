@@ -182,6 +182,26 @@ async def test_a_request_whose_200_was_sent_is_never_shed_and_takes_the_first_ro
 
 
 @pytest.mark.asyncio
+async def test_no_early_first_token_while_the_decode_pool_was_just_at_capacity():
+    """The 200 and the prefill's token wait for a decode worker that takes the request: a decode that refuses
+    it then is a clean 429 to the client, not an answer started and left waiting."""
+    client, _, state = router({P1: "ok"}, {D1: "ok"})
+    asked = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "p1":
+            return httpx.Response(200, json={"id": "cmpl-1", "model": "m", "created": 1, "choices": [{"text": " x"}],
+                                             "kv_transfer_params": {**KV, "output_token_ids": [7]}})
+        return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"message": "full", "code": 429}})
+
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    state.decode.mark_saturated(state.decode.endpoints[D1], 0.0)  # its Retry-After ran out just now
+    r = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": True}), 5)
+    assert r.status_code == 429 and r.headers["retry-after"] and asked == ["p1", "d1"]
+
+
+@pytest.mark.asyncio
 async def test_every_prefill_saturated_sheds_rather_than_decoding_alone():
     client, workers, state = router({P1: "429", P2: "429"}, {D1: "ok"})
     r = await client.post("/v1/completions", json=BODY)
