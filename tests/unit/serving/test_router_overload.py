@@ -11,10 +11,10 @@ import json
 
 import httpx
 import pytest
+from scripted_router import scripted_router
 
-from disagg.worker.router.app import answered, build_app, route
+from disagg.worker.router.app import answered, route
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.probes import probe_once
 from disagg.worker.router.replies import Reply
 from disagg.worker.router.state import RouterState
@@ -67,16 +67,7 @@ class Workers:
 
 def router(prefill: dict[str, str], decode: dict[str, str], queue_wait_s: float = 0.2):
     workers = Workers({**prefill, **decode})
-    pools = []
-    for role, urls in (("prefill", prefill), ("decode", decode)):
-        pool = EndpointPool(role, "round-robin")
-        pool.set_urls(list(urls))
-        for ep in pool.endpoints.values():
-            ep.ready = True
-        pools.append(pool)
-    state = RouterState(pools[0], pools[1], RouterMetrics("m"), queue_wait_s=queue_wait_s)
-    state.client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(state)), base_url="http://router")
+    client, state = scripted_router(list(prefill), list(decode), workers, queue_wait_s=queue_wait_s)
     return client, workers, state
 
 
