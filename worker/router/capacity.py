@@ -9,8 +9,9 @@ prefill hop decide what happens, and wait.
   running out - at most `queue_wait_s` (and what is left of the request's own bounds), with at most
   `max_queued` requests waiting at once. Past either bound it is shed: 429 with Retry-After, the time until the
   first saturation runs out (at least 1 s). A committed request - its client already has the 200 and the
-  prefill's first token (the early first token) - is never shed: it waits ahead of the others for as long as its
-  own bounds allow, since shedding it now would cut an answer already started.
+  prefill's first token (the early first token) - is never shed: it waits for as long as its own bounds allow,
+  since shedding it would cut an answer already started, and while one waits the pool's room is its: other
+  requests wait or are shed, at the door (room_for, before any prefill) or at the hop.
 - No endpoint ready at all: one that answers its probes "not ready" (starting) is waited for, within the connect
   bound (probes.await_ready); else the caller answers 503.
 """
@@ -66,12 +67,14 @@ def released(state: RouterState, pool: EndpointPool, ep: Endpoint, freed: bool =
 async def next_endpoint(state: RouterState, pool: EndpointPool, pick: Callable[[], Endpoint | None],
                         exclude: set[str], deadline: Deadline, wait_ready: bool = False,
                         committed: bool = False) -> Endpoint | Shed | None:
-    """The endpoint to send to: pick() at once; when every available endpoint (but `exclude`) is saturated, the
-    first to have room within the queue wait (`committed`: within the request's deadline, ahead of the others),
-    else Shed; when none is ready and `wait_ready`, one that becomes ready within the connect bound; else None."""
-    if (ep := pick()) is not None:
+    """The endpoint to send to: pick() at once; when every available endpoint (but `exclude`) is saturated, or
+    committed requests wait for room there, the first to have room within the queue wait (`committed`: within
+    the request's deadline, before every other), else Shed; when none is ready and `wait_ready`, one that
+    becomes ready within the connect bound; else None."""
+    room = state.room(pool)
+    if (committed or not room.committed_in_line) and (ep := pick()) is not None:
         return ep
-    if pool.saturated_only(exclude):
+    if pool.saturated_only(exclude) or (not committed and room.committed_in_line):
         return await _wait_for_room(state, pool, pick, exclude, deadline, committed)
     if wait_ready and await await_ready(state, pool, deadline):
         return pick()
@@ -79,9 +82,10 @@ async def next_endpoint(state: RouterState, pool: EndpointPool, pick: Callable[[
 
 
 async def room_for(state: RouterState, pool: EndpointPool, deadline: Deadline) -> Shed | None:
-    """Shed when every endpoint of `pool` is saturated and none has room within the queue wait (nothing is
-    picked: the router asks before the prefill hop, so that a request it would shed costs no prefill)."""
-    if not pool.saturated_only():
+    """Shed when every endpoint of `pool` is saturated, or committed requests wait for room there, and no room
+    comes within the queue wait (nothing is picked: the router asks before the prefill hop, so that a request it
+    would shed costs no prefill)."""
+    if not pool.saturated_only() and not state.room(pool).committed_in_line:
         return None
     got = await _wait_for_room(state, pool, lambda: _peek(pool), set(), deadline)
     return got if isinstance(got, Shed) else None  # (None: whatever comes next answers for the pool)
@@ -97,17 +101,30 @@ async def _wait_for_room(state: RouterState, pool: EndpointPool, pick: Callable[
     loop = asyncio.get_running_loop()
     wait_s = max(deadline.remaining(), 0.0)
     until = loop.time() + (wait_s if committed else min(room.queue_wait_s, wait_s))
-    if committed or room.waiting < room.max_queued:
-        while (left := until - loop.time()) > 0:
-            await room.wait(left, committed)
-            if (ep := pick()) is not None:
-                return ep
-            if not pool.saturated_only(exclude):
-                break
-    if (ep := pick()) is not None:
-        return ep
-    if not pool.saturated_only(exclude):
-        return None  # no longer saturated, but none available either (gone, failed): the caller's 503
+
+    def turn() -> Endpoint | None:  # room freed goes to the committed requests first
+        return pick() if committed or not room.committed_in_line else None
+
+    def blocked() -> bool:
+        return pool.saturated_only(exclude) or (not committed and room.committed_in_line > 0)
+
+    room.committed_in_line += committed
+    try:
+        if committed or room.waiting < room.max_queued:
+            while (left := until - loop.time()) > 0:
+                await room.wait(left, committed)
+                if (ep := turn()) is not None:
+                    return ep
+                if not blocked():
+                    break
+        if (ep := turn()) is not None:
+            return ep
+        if not blocked():
+            return None  # no longer saturated, but none available either (gone, failed): the caller's 503
+    finally:
+        room.committed_in_line -= committed
+        if committed and not room.committed_in_line:
+            room.notify_all()  # the others may have their turn
     state.metrics.request("shed")
     retry = max(DEFAULT_RETRY_AFTER_S, math.ceil(pool.saturation_ends_in(exclude)))
     return Shed(retry, f"every {pool.role} endpoint is at capacity ({len(pool.endpoints)} known); retry in "

@@ -176,11 +176,6 @@ class EndpointPool:
         available = self.available(exclude)
         return bool(available) and all(e.saturated(now) for e in available)
 
-    def saturated_within(self, seconds: float) -> bool:
-        """An endpoint answered 429 and its Retry-After ran out less than `seconds` ago (or has not yet)."""
-        now = self.clock()
-        return any(e.saturated_until + seconds > now for e in self.endpoints.values())
-
     def saturation_ends_in(self, exclude: set[str] = frozenset()) -> float:
         """Seconds until the first available endpoint's saturation runs out (0 when one is not saturated)."""
         now = self.clock()

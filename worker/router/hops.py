@@ -45,9 +45,6 @@ from disagg.worker.router.timeouts import Deadline, HopTimeout, within
 logger = logging.getLogger(__name__)
 
 
-EARLY_TOKEN_PAUSE_S = 2.0  # no early first token until this long after the decode pool's last saturation ended
-
-
 @dataclass
 class PrefillOutcome:
     handoff: Handoff | None = None  # for the decode hop; None: no prefill endpoint gave KV (decode alone)
@@ -72,9 +69,7 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
         outcome = hop
         if not outcome.handoff:
             state.metrics.fell_back_to_decode_alone()
-        elif state.early_first_token and not state.decode.saturated_within(EARLY_TOKEN_PAUSE_S):
-            # (not while the decode pool is at capacity: the 200 would go out before a decode worker took the
-            # request, which then waits for room in the middle of its answer instead of being told 429)
+        elif state.early_first_token:
             first_chunk = early_first_chunk(body, path, outcome.answer, outcome.handoff)
     revisions = {outcome.revision} if outcome.handoff else None
     if first_chunk is not None:

@@ -15,6 +15,7 @@ class WaitingRoom:
     (committed: the early first token was sent) before the others."""
     queue_wait_s: float = DEFAULT_QUEUE_WAIT_S
     max_queued: int = DEFAULT_MAX_QUEUED
+    committed_in_line: int = 0  # committed requests waiting for room here (capacity.py): none other takes it
     _committed: deque = field(default_factory=deque)  # of asyncio.Future, oldest first
     _waiters: deque = field(default_factory=deque)
 

@@ -41,6 +41,15 @@ class Stalled(httpx.AsyncByteStream):
         self.closed.set()
 
 
+class Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            yield c
+
+
 class Workers:
     """url -> 'ok' | '429' | 'pool' (the hop pool is full) | 'stall' (a stream that stops after one chunk)."""
 
@@ -173,23 +182,38 @@ async def test_a_request_whose_200_was_sent_is_never_shed_and_takes_the_first_ro
 
 
 @pytest.mark.asyncio
-async def test_no_early_first_token_while_the_decode_pool_was_just_at_capacity():
-    """The 200 and the prefill's token wait for a decode worker that takes the request: a decode that refuses
-    it then is a clean 429 to the client, not an answer started and left waiting."""
-    client, _, state = router({P1: "ok"}, {D1: "ok"})
+async def test_while_a_started_answer_waits_for_a_decode_new_requests_get_no_room_and_no_prefill():
+    """The early first token sent the 200; the decode answers 429: that request waits for room, and a request
+    arriving meanwhile is shed at the door (no prefill) even once the decode has room - the room is the started
+    answer's."""
+    client, _, state = router({P1: "ok"}, {D1: "ok"}, queue_wait_s=0.3)
     asked = []
+    decode_full = True
 
     def worker(request: httpx.Request) -> httpx.Response:
         asked.append(request.url.host)
         if request.url.host == "p1":
             return httpx.Response(200, json={"id": "cmpl-1", "model": "m", "created": 1, "choices": [{"text": " x"}],
                                              "kv_transfer_params": {**KV, "output_token_ids": [7]}})
-        return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"message": "full", "code": 429}})
+        if decode_full:
+            return httpx.Response(429, headers={"Retry-After": "30"}, json={"error": {"message": "full"}})
+        return httpx.Response(200, stream=Chunks([b'data: {"choices":[{"text":" y"}]}\n\n', b"data: [DONE]\n\n"]),
+                              headers={"content-type": "text/event-stream"})
 
     state.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
-    state.decode.mark_saturated(state.decode.endpoints[D1], 0.0)  # its Retry-After ran out just now
-    r = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": True}), 5)
-    assert r.status_code == 429 and r.headers["retry-after"] and asked == ["p1", "d1"]
+    started = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": True}))
+    while state.room(state.decode).committed_in_line == 0:
+        await asyncio.sleep(0.01)
+    assert asked == ["p1", "d1"]
+    d1 = state.decode.endpoints[D1]
+    d1.credits = 1  # room at D1 (as a request of ours finishing there gives), taken by no newcomer:
+    late = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": True}), 5)
+    assert late.status_code == 429 and late.headers["retry-after"] and asked == ["p1", "d1"]
+    decode_full = False
+    state.room(state.decode).notify(1)
+    r = await asyncio.wait_for(started, 5)
+    assert r.status_code == 200 and '" x"' in r.text and '" y"' in r.text and "error" not in r.text
+    assert asked == ["p1", "d1", "d1"] and state.room(state.decode).committed_in_line == 0
 
 
 @pytest.mark.asyncio
