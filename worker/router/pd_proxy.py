@@ -127,6 +127,7 @@ async def generate(state: Any, request: Any, path: str, engine_url: str, role: s
     that leaves cancels it (vLLM sees the connection close and aborts)."""
     from disagg.worker.router.app import answered
 
+    await request.body()  # read (and kept) first: the disconnect watch reads the messages after it
     reply = await answered(state, request, _generate(state, request, path, engine_url, role, signer, lease_s))
     if reply.headers:
         reply.headers = {k: v for k, v in reply.headers.items() if k.lower() != "authorization"}
