@@ -86,45 +86,56 @@ def read_stream(url: str, payload: dict, timeout: float = 120.0) -> StreamEnd:
 
 @dataclass
 class Sent:
-    status: int  # 0: no answer (a connection error, or given up)
+    """One request of a load: what came of it so far (filled in as it goes, so an unfinished one says how far)."""
+    status: int = 0  # 0: no answer (no response headers)
     ttft: float | None = None  # seconds to the first streamed token
     error_event: bool = False  # a 200 stream that ended with an error event
     retry_after: str | None = None
+    done: bool = False  # the answer ended ([DONE] or the whole error body)
+    failure: str = ""  # the client's exception, e.g. ConnectTimeout, RemoteProtocolError
 
 
-async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Sent:
+async def _one(client: httpx.AsyncClient, url: str, payload: dict, sent: Sent | None = None) -> Sent:
+    sent = sent if sent is not None else Sent()
     start = time.monotonic()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=payload) as r:
+            sent.status = r.status_code
             if r.status_code != 200:
                 await r.aread()
-                return Sent(r.status_code, retry_after=r.headers.get("retry-after"))
-            ttft, error = None, False
+                sent.retry_after, sent.done = r.headers.get("retry-after"), True
+                return sent
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
-                    if ttft is None:
-                        ttft = time.monotonic() - start
-                    error = error or '"error"' in line
-            return Sent(200, ttft, error)
-    except httpx.HTTPError:
-        return Sent(0)
+                    if sent.ttft is None:
+                        sent.ttft = time.monotonic() - start
+                    sent.error_event = sent.error_event or '"error"' in line
+                elif line == "data: [DONE]":
+                    sent.done = True
+            return sent
+    except httpx.HTTPError as e:
+        sent.failure = type(e).__name__
+        return sent
 
 
 async def offer(url: str, rate: float, seconds: float, payload: dict, grace_s: float = 60.0,
                 seed: int = 0) -> list[Sent]:
-    """Poisson arrivals at `rate` per second for `seconds`; what is unanswered `grace_s` later counts as 0."""
+    """Poisson arrivals at `rate` per second for `seconds`; what is unfinished `grace_s` later is given up (its
+    Sent says how far it got)."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+    sent: list[Sent] = []
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(seconds + grace_s, connect=10)) as client:
         tasks, t0 = [], time.monotonic()
         while time.monotonic() - t0 < seconds:
-            tasks.append(asyncio.ensure_future(_one(client, url, payload)))
+            sent.append(Sent())
+            tasks.append(asyncio.ensure_future(_one(client, url, payload, sent[-1])))
             await asyncio.sleep(rng.expovariate(rate))
-        done, pending = await asyncio.wait(tasks, timeout=grace_s)
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    return [t.result() if t in done else Sent(0) for t in tasks]
+    return sent
 
 
 def closed_loop(url: str, concurrency: int, seconds: float, payload: dict) -> float:
@@ -132,7 +143,7 @@ def closed_loop(url: str, concurrency: int, seconds: float, payload: dict) -> fl
     async def client_loop(client: httpx.AsyncClient, until: float) -> int:
         n = 0
         while time.monotonic() < until:
-            if (await _one(client, url, payload)).status == 200:
+            if (s := await _one(client, url, payload)).status == 200 and s.done:
                 n += 1
         return n
 
