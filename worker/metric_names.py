@@ -37,3 +37,6 @@ KV_PENDING_SENDS = "disagg:kv_pending_sends"  # gauge, prefill: requests whose K
 KV_PENDING_LOADS = "disagg:kv_pending_loads"  # gauge, decode: requests waiting for remote KV
 KV_BYTES_LOADED = "disagg:kv_bytes_loaded"  # counter: KV bytes received from another worker (any connector)
 KV_BYTES_SAVED = "disagg:kv_bytes_saved"  # counter: KV bytes written for another worker (pushing connectors)
+# counter, label `reason`: requests refused before the engine - waiting_requests, waiting_prompt_tokens (429),
+# body_too_large (413), body_timeout (408), prompt_too_long (400, told before tokenizing)
+REQUESTS_REJECTED = "disagg:requests_rejected"

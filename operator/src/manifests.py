@@ -16,6 +16,7 @@ commands come from plan.py (the API `disagg up` plans its processes with).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from disagg.operator import spec as s
@@ -34,6 +35,7 @@ from disagg.operator.pod_parts import (
     TMP_DIR, Owner, client_key_env, container_security_context, downward_env, http_probe, metadata, pod_reader_rbac,
     pod_security_context, pod_template, pull_fields, resources, scheduling, tmp_volume,
 )
+from disagg.worker.router.draining import CUT_GRACE_S, DRAIN_DELAY_S, DRAIN_TIMEOUT_S
 
 __all__ = ["Owner", "Role", "build_headless_service", "build_router_deployment", "build_router_rbac",
            "build_router_service", "build_worker_deployment", "build_worker_rbac", "container_security_context",
@@ -216,6 +218,20 @@ def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, ro
 
 
 # ---------------------------------------------------------------- router
+ROUTER_PRESTOP_S = 5  # the router pod's preStop sleep: endpoint removal reaches kube-proxy and gateways meanwhile
+ROUTER_GRACE_MARGIN_S = 5
+
+
+def router_grace_s(argv: list[str]) -> int:
+    """The router pod's grace period: the preStop sleep, then the router's --drain-delay and --drain-timeout (its
+    own flags: extraArgs may set them, the last wins) and the cut's grace, and a margin."""
+    drain = {"--drain-delay": DRAIN_DELAY_S, "--drain-timeout": DRAIN_TIMEOUT_S}
+    for flag, value in zip(argv, argv[1:]):
+        if flag in drain and value.replace(".", "", 1).isdigit():
+            drain[flag] = float(value)
+    return ROUTER_PRESTOP_S + math.ceil(sum(drain.values()) + CUT_GRACE_S) + ROUTER_GRACE_MARGIN_S
+
+
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     tmp, tmp_mount = tmp_volume()
     argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
@@ -230,11 +246,16 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
         "readinessProbe": http_probe("/ready", 5, 2, scheme),  # 503 until the router sees a decode endpoint
         "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK
         "volumeMounts": [tmp_mount, *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if tls else [])],
+        # the Service drops the terminating pod while this sleeps; then SIGTERM: /ready 503 for --drain-delay,
+        # the listener closes, open requests get --drain-timeout (worker/router/draining.py)
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_S)]}}},
     }
     volumes = [tmp, *([{"name": "tls", "secret": {"secretName": tls.secret_name}}] if tls else [])]
     pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
-                                "volumes": volumes, **scheduling(spec.router)}
+                                "volumes": volumes, **scheduling(spec.router),
+                                # longer than everything above, so that no stream is cut by a SIGKILL
+                                "terminationGracePeriodSeconds": router_grace_s(argv)}
     pull_fields(spec, container, pod_spec)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",

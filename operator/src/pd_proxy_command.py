@@ -24,4 +24,5 @@ def build_pd_proxy_command(spec: s.DisaggregatedInferenceSpec, role: Role, place
     if role == "decode" and placement.prefill_pool is not None:
         argv += placement.prefill_pool.flags()
     t = spec.router.timeouts
-    return [*argv, *timeout_args(t), "--unresponsive-after", f"{t.unresponsive_after(spec.engine):g}"]
+    return [*argv, *timeout_args(t), "--unresponsive-after", f"{t.unresponsive_after(spec.engine):g}",
+            "--max-request-body-bytes", str(getattr(spec, role).admission.max_request_body_bytes)]

@@ -17,7 +17,8 @@ from disagg.operator.worker_command import EXECUTABLE
 def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPlacement) -> list[str]:
     """`disagg router ...` (argv[0] is EXECUTABLE), spec.router.extraArgs last so a user's flag wins."""
     argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port),
-            *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s)]
+            *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s),
+            "--max-request-body-bytes", str(spec.router.admission.max_request_body_bytes)]
     if placement.tls_files is not None:
         cert, key = placement.tls_files
         argv += ["--tls-cert-file", cert, "--tls-key-file", key]
@@ -49,11 +50,12 @@ def timeout_args(timeouts: s.RouterTimeouts) -> list[str]:
 
 
 def bound_args(router: s.RouterSpec, engine: str) -> list[str]:
-    """The router's flags for spec.router's timeouts, outlier detection and prefix-aware weights."""
+    """The router's flags for spec.router's timeouts, outlier detection, prefix-aware weights and queue wait."""
     t, o, x = router.timeouts, router.outlier_detection, router.prefix_aware
     return [*timeout_args(t), "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
             "--eject-after-failures", str(o.consecutive_failures),
             "--ejection-seconds", str(o.base_ejection_seconds),
             "--max-ejection-seconds", str(o.max_ejection_seconds),
             "--prefix-load-cost-tokens", str(x.load_cost_tokens),
-            "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks)]
+            "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks),
+            "--queue-wait", f"{router.admission.queue_wait_seconds:g}"]

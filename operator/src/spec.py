@@ -16,10 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from pydantic.alias_generators import to_camel
 
 from disagg.operator.naming import GROUP
+from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
 from disagg.worker.kv_transfer.connectors import CONNECTORS
 from disagg.worker.router import endpoints as router_endpoints
 from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
+from disagg.worker.router.waiting_room import DEFAULT_QUEUE_WAIT_S
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -173,6 +175,18 @@ class PodPlacement(_Model):
     affinity: _FreeForm | None = None
 
 
+class Admission(_Model):
+    """What a worker takes on before it answers 429 with Retry-After (README: Reliability, overload)."""
+    max_waiting_requests: int | None = Field(
+        None, ge=0, le=1_000_000, description="Requests queued beyond the running batch. Unset: the batch size "
+        "(--max-num-seqs). Engine disagg; vLLM's queue is its own.")
+    max_waiting_prompt_tokens: int | None = Field(
+        None, ge=0, le=100_000_000, description="Prompt tokens queued to compute (a request alone is always "
+        "queued). Unset: 8 x --max-num-batched-tokens. Engine disagg.")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, le=2**31, description="Larger request "
+                                        "bodies are answered 413 (by the worker, or vLLM's pd-proxy).")
+
+
 class RoleSpec(PodPlacement):
     """A prefill or a decode pool."""
     replicas: int = Field(1, ge=0, le=1000, description="With autoscaling on, only the starting point (moved into "
@@ -181,6 +195,7 @@ class RoleSpec(PodPlacement):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     env: list[EnvVar] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list, description="Appended to the worker command line.")
+    admission: Admission = Field(default_factory=Admission)
     shared_memory_size: Quantity | None = Field(None, description="sizeLimit of the /dev/shm emptyDir.")
     drain_delay_seconds: int = Field(5, ge=0, le=3600,
                                      description="preStop wait so the router stops sending before SIGTERM.")
@@ -251,6 +266,15 @@ class RouterTLS(_Model):
                              "resource's namespace, mounted read-only into the router pods.")
 
 
+class RouterAdmission(_Model):
+    """Load shedding at the router (README: Reliability, overload)."""
+    queue_wait_seconds: float = Field(DEFAULT_QUEUE_WAIT_S, ge=0, le=60, description="With every decode worker "
+                                      "at capacity (answering 429), how long a request waits for room before "
+                                      "it is answered 429 with Retry-After (0: at once).")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, le=2**31,
+                                        description="Larger request bodies are answered 413.")
+
+
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
     policy: Literal[POLICY_NAMES] = Field(  # the router's registry (router/policies.py)
@@ -264,6 +288,7 @@ class RouterSpec(PodPlacement):
     auth: RouterAuth | None = Field(None, description="Client API keys (default: none; anyone who reaches the "
                                     "router may use it).")
     tls: RouterTLS | None = Field(None, description="Serve HTTPS (default: plain HTTP).")
+    admission: RouterAdmission = Field(default_factory=RouterAdmission)
     extra_args: list[str] = Field(default_factory=list)
 
 

@@ -66,7 +66,17 @@ def _disagg_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: P
                  "--kv-events-replay-endpoint", f"tcp://{placement.advertise_host}:{replay}"]
     if role == "decode" and placement.prefill_pool is not None:  # behind a gateway: the decode side's hop
         argv += placement.prefill_pool.flags("pd-")
-    return WorkerCommand(argv)
+    return WorkerCommand([*argv, *admission_args(getattr(spec, role).admission)])
+
+
+def admission_args(a: s.Admission) -> list[str]:
+    """The worker's flags for spec.<role>.admission (the waiting queue's bounds only where the spec sets them)."""
+    argv = ["--max-request-body-bytes", str(a.max_request_body_bytes)]
+    if a.max_waiting_requests is not None:
+        argv += ["--max-waiting-requests", str(a.max_waiting_requests)]
+    if a.max_waiting_prompt_tokens is not None:
+        argv += ["--max-waiting-prompt-tokens", str(a.max_waiting_prompt_tokens)]
+    return argv
 
 
 def vllm_kv_transfer_config(spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:

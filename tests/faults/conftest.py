@@ -271,7 +271,9 @@ def netns_pair(request) -> Any:
     try:
         pair = create_netns_pair(tag)
     except (RuntimeError, FileNotFoundError) as e:
-        pytest.skip(f"network namespaces cannot be created here ({e}): the namespace cases do not run")
+        case = (request.module.__doc__ or request.module.__name__).strip().split("\n")[0]
+        pytest.skip(f"{request.module.__name__} ({case}) skipped: network namespaces cannot be created here ({e}); "
+                    f"it needs root (CAP_NET_ADMIN), as in CI")
     yield pair
     delete_netns_pair(pair)
 

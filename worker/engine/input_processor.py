@@ -4,6 +4,7 @@ checked before anything is queued. A bad request gets a ValueError naming what i
 compiled here: a grammar that does not compile is the request's fault too."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ class InputProcessor:
         self.handoff_fields = handoff_fields  # the connector's declared hand-off keys beyond the common ones
         self.connector = connector  # scheduler role: judges a hand-off it cannot act on
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        self._grammars_lock = threading.Lock()  # the server compiles on its request threads, not the engine's
 
     def process(self, prompt: str | list[int], sp: SamplingParams,
                 kv_transfer_params: Handoff | dict[str, Any] | None) -> ProcessedInput:
@@ -71,10 +73,17 @@ class InputProcessor:
         if sp.n > 1 and handoff is not None and handoff.is_prefill_hop:
             raise ValueError("n must be 1 on a prefill hop (do_remote_decode): the decode worker forks the choices")
         sp.eos_token_ids = self.eos_token_ids
-        if sp.structured_output is not None and sp.structured_output.compiled is None:
+        self.compile_structured_output(sp)
+
+    def compile_structured_output(self, sp: SamplingParams) -> None:
+        """Compile sp's structured output, unless done already (the server does it before the engine thread
+        sees the request; xgrammar's compiler may be used from several threads)."""
+        if sp.structured_output is None or sp.structured_output.compiled is not None:
+            return
+        with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
-            sp.structured_output.compiled = self._grammars.compile(sp.structured_output)
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        sp.structured_output.compiled = self._grammars.compile(sp.structured_output)
 
     def _delivered_tokens(self, sp: SamplingParams, handoff: Handoff | None) -> tuple[int, ...]:
         """kv_transfer_params.delivered_token_ids: the first output tokens, which the prefill engine chose and a

@@ -14,7 +14,7 @@ from disagg.worker.engine.parent_request import ParentRequests
 from disagg.worker.engine.request import RequestStatus
 from disagg.worker.engine.request_output import CompletionOutput, RequestOutput
 from disagg.worker.engine.scheduler import Scheduler, SchedulerConfig
-from disagg.worker.engine.stats import EngineSnapshot, EngineStats, engine_snapshot
+from disagg.worker.engine.stats import EngineSnapshot, EngineStats, QueueLoad, engine_snapshot, queue_load
 from disagg.worker.kv_events.collector import KVEventCollector
 from disagg.worker.kv_events.schema import EventBatch
 from disagg.worker.kv_transfer.base import KVConnectorRole
@@ -102,6 +102,15 @@ class LLMEngine:
 
     def metrics_snapshot(self) -> EngineSnapshot:
         return engine_snapshot(self.scheduler, self.kv_cache_manager.usage(), self.scheduler_connector, self.stats)
+
+    def queue_load(self) -> QueueLoad:
+        """The waiting queue as admission weighs it (server/admission.py)."""
+        return queue_load(self.scheduler)
+
+    def compile_structured_output(self, sp: SamplingParams) -> None:
+        """Compile sp's grammar now (thread-safe), so that adding the request does not compile it on the engine
+        thread; ValueError when it does not compile."""
+        self.input_processor.compile_structured_output(sp)
 
     def take_kv_connector_stats(self) -> list[dict[str, Any]]:
         """The connector's per-step stats since the last call, oldest first."""

@@ -37,6 +37,22 @@ class EngineSnapshot:
     prefix_cache_hits_total: int = 0  # of those, tokens found there
 
 
+@dataclass(frozen=True)
+class QueueLoad:
+    """What admission weighs (server/admission.py): the engine's queue as it is now, read in the engine thread."""
+
+    waiting: int  # requests queued (those waiting for remote KV too)
+    waiting_prompt_tokens: int  # prompt tokens the queued requests will compute here (remote KV not counted)
+    free_slots: int  # running slots left (max_num_seqs - running): that many waiting requests start next step
+
+
+def queue_load(scheduler: Scheduler) -> QueueLoad:
+    local = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting
+                if r.kv_transfer_params is None or r.kv_transfer_params.remote is None)
+    return QueueLoad(scheduler.num_waiting, max(local, 0),
+                     max(scheduler.config.max_num_seqs - scheduler.num_running, 0))
+
+
 def engine_snapshot(scheduler: Scheduler, kv_cache_usage: float, connector: KVConnectorBase | None,
                     stats: EngineStats) -> EngineSnapshot:
     """connector: the scheduler-role one (it knows the pending sends and loads), or None."""

@@ -4,7 +4,9 @@ xgrammar was picked by measurement (bench/grammar_libraries.py, this 2-core CPU,
 mask 8 us vs llguidance 42 us and outlines-core 19 us, compile 2.3 ms (outlines-core 2.3 ms; llguidance
 compiles lazily, 0.3 ms up front); it also has a built-in JSON grammar for json_object and EBNF for choices.
 
-The engine compiles at admission (a bad schema is the request's fault: ValueError -> 400); the runner makes
+A grammar is compiled before the engine thread sees its request (the server does it on its request threads,
+server/admission.py; LLM.generate at add_request): a bad schema is the request's fault (ValueError -> 400),
+and a slow compile never holds an engine step. The runner makes
 one matcher per request from the compiled grammar (runner/grammar_mask.new_matcher) and replays
 already-generated tokens into it (after a preemption), so the grammar state follows the sequence wherever its
 tokens are computed.

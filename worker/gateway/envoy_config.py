@@ -55,7 +55,8 @@ def _ext_proc_filter(c: GatewayConfig) -> dict[str, Any]:
     ext_proc: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": f"{c.picker_timeout_s:g}s"},
-        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+        # the response's headers too: a worker's 429 tells the picker that endpoint is at capacity
+        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
                             "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
         "message_timeout": f"{c.picker_timeout_s:g}s",

@@ -131,7 +131,8 @@ class EndpointPickerService(ep_grpc.ExternalProcessorServicer):
     answered until the body is complete; then the routing goes with the headers' answer and the body is sent
     back as streamed chunks. Either way the picker sees the whole body once. Response messages, where a gateway
     sends them, pass unchanged. `on_done` (the stream closed: the request ended, or in full-duplex mode without
-    response processing, its routing did) lets the picker count requests in flight per endpoint.
+    response processing, its routing did) lets the picker count requests in flight per endpoint; `answered`
+    (the response's headers, where the gateway sends them) tells it the worker's status.
 
     Reads and writes go through the context rather than a generator: grpcio's server hung at stop() after a
     generator handler was cancelled mid-stream (Envoy closes a full-duplex stream once nothing is left to
@@ -188,6 +189,7 @@ class _Exchange:
         if kind == "request_trailers":
             return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
+            self._answered(message.response_headers)
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_body":
             if self.response_duplex:  # hand each part straight back
@@ -198,6 +200,19 @@ class _Exchange:
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         logger.debug("ext_proc: unexpected %s message", kind)
         return []
+
+    def _answered(self, headers: ep.HttpHeaders) -> None:
+        """The routed request's response status, for a picker that learns from it (a 429: that endpoint is
+        saturated)."""
+        on_answer = getattr(self.picker, "answered", None)
+        if self.pick is None or on_answer is None:
+            return
+        values = {h.key.lower(): _header_value(h) for h in headers.headers.headers}
+        try:
+            status = int(values.get(":status", "0"))
+        except ValueError:
+            return
+        on_answer(self.pick, status, values.get("retry-after"))
 
     async def _route(self, at_headers: bool) -> ep.ProcessingResponse:
         request = PickRequest(self.headers.get(":method", ""), self.headers.get(":path", ""), self.headers,

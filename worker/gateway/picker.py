@@ -2,13 +2,17 @@
 ejection; router/state.py) asked where one request goes, answered in the endpoint-picker protocol's terms.
 
     decode   the policy's first choice among ready decode endpoints (inside the gateway's subset hint, if any);
-             none ready: wait up to the connect bound for one that is starting, else 503
+             none ready: wait up to the connect bound for one that is starting, else 503; every one at capacity
+             (it answered 429): wait briefly for room, else 429 with Retry-After (router/capacity.py)
     prefill  for P/D: the policy's choice among prefill endpoints of the decode's serving revision, which the
              decode side calls itself (x-prefiller-host-port); none when the policy skips the prefill hop (the
-             decode holds the prompt's KV), for prompt logprobs, or when no prefill endpoint is ready
+             decode holds the prompt's KV), for prompt logprobs, or when no prefill endpoint is ready; every one
+             at capacity: as for decode (the request is shed rather than computed at the decode)
 
 Requests in flight are counted per endpoint from the pick until the gateway closes the request's stream (the
-request ended), as the router counts its own; the workers' /metrics (probes) add what other pickers sent.
+request ended), as the router counts its own; the workers' /metrics (probes) add what other pickers sent. A
+worker's 429 reaches the picker where the gateway sends it the response headers (our Envoy's configuration does):
+that endpoint is then saturated until its Retry-After, as in the router.
 """
 from __future__ import annotations
 
@@ -19,10 +23,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from disagg.worker.gateway.ext_proc import Pick, PickRequest
-from disagg.worker.router.endpoints import Endpoint
+from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
+from disagg.worker.router.endpoints import Endpoint, EndpointPool
 from disagg.worker.router.hop_bodies import needs_prompt_logits
 from disagg.worker.router.policy import RoutePlan
-from disagg.worker.router.probes import await_ready
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
 
@@ -41,7 +45,8 @@ def host_port(url: str) -> str:
 class RoutingPicker:
     def __init__(self, state: RouterState):
         self.state = state
-        self._routed: dict[int, list[Endpoint]] = {}  # id(pick) -> the endpoints it counts in flight at
+        self._routed: dict[int, list[tuple[EndpointPool, Endpoint]]] = {}  # id(pick) -> where it is in flight
+        self._refused: set[int] = set()  # id(pick) of those its decode answered 429 (it freed nothing there)
 
     async def pick(self, request: PickRequest) -> Pick:
         state = self.state
@@ -50,7 +55,10 @@ class RoutingPicker:
         path = request.path.split("?", 1)[0]
         generation = path in GENERATION_PATHS and body is not None
         plan = await state.plan(body, path) if generation else RoutePlan()
-        decode = await self._decode(plan, request.subset)
+        deadline = Deadline(state.timeouts)
+        decode = await self._decode(plan, request.subset, deadline)
+        if isinstance(decode, Shed):
+            return Pick(status=429, retry_after_s=decode.retry_after_s, message=decode.message)
         if decode is None:
             state.metrics.request("unavailable")
             where = f" of the gateway's subset {list(request.subset)}" if request.subset is not None else ""
@@ -58,14 +66,18 @@ class RoutingPicker:
                         f"({len(state.decode.endpoints)} known)")
         prefill = None
         if generation and state.prefill.endpoints and not plan.skip_prefill and not needs_prompt_logits(body):
-            prefill = state.prefill.pick(revisions={decode.revision}, costs=plan.prefill_costs)
+            prefill = await next_endpoint(state, state.prefill, lambda: state.prefill.pick(
+                revisions={decode.revision}, costs=plan.prefill_costs), set(), deadline)
+            if isinstance(prefill, Shed):
+                state.decode.unpick(decode)
+                return Pick(status=429, retry_after_s=prefill.retry_after_s, message=prefill.message)
             if prefill is None:
                 state.metrics.fell_back_to_decode_alone()
         elif plan.skip_prefill and state.prefill.endpoints:
             state.metrics.skipped_prefill()
         pick = Pick(decode=host_port(decode.url), prefill=host_port(prefill.url) if prefill else None)
-        routed = [e for e in (decode, prefill) if e is not None]
-        for e in routed:
+        routed = [(pool, e) for pool, e in ((state.decode, decode), (state.prefill, prefill)) if e is not None]
+        for _, e in routed:
             e.outstanding += 1
         self._routed[id(pick)] = routed
         state.metrics.request("ok")
@@ -73,19 +85,29 @@ class RoutingPicker:
         return pick
 
     def done(self, pick: Pick) -> None:
-        for e in self._routed.pop(id(pick), ()):
-            e.outstanding -= 1
+        freed = id(pick) not in self._refused
+        self._refused.discard(id(pick))
+        for pool, e in self._routed.pop(id(pick), ()):
+            released(self.state, pool, e, freed)
 
-    async def _decode(self, plan: RoutePlan, subset: tuple[str, ...] | None) -> Endpoint | None:
+    def answered(self, pick: Pick, status: int, retry_after: str | None) -> None:
+        """The gateway passed on the decode's response status: a 429 saturates that endpoint (capacity.py)."""
+        if status != 429 or id(pick) not in self._routed:
+            return
+        self._refused.add(id(pick))
+        for pool, e in self._routed[id(pick)]:
+            if pool is self.state.decode:
+                saturated(self.state, pool, e, retry_after)
+
+    async def _decode(self, plan: RoutePlan, subset: tuple[str, ...] | None,
+                      deadline: Deadline) -> Endpoint | Shed | None:
         """The policy's pick inside the subset; with none ready, one that becomes ready within the connect
-        bound (a pod starting)."""
+        bound (a pod starting); with every one at capacity, one with room within the queue wait, else Shed."""
         state = self.state
         outside = set() if subset is None else \
             {e.url for e in state.decode.endpoints.values() if host_port(e.url) not in subset}
-        decode = state.pick_decode(plan, outside, None)
-        if decode is None and await await_ready(state, state.decode, Deadline(state.timeouts)):
-            decode = state.pick_decode(plan, outside, None)
-        return decode
+        return await next_endpoint(state, state.decode, lambda: state.pick_decode(plan, outside, None), outside,
+                                   deadline, wait_ready=True)
 
 
 class AuthenticatingPicker:
@@ -112,6 +134,9 @@ class AuthenticatingPicker:
 
     def done(self, pick: Pick) -> None:
         self.picker.done(pick)
+
+    def answered(self, pick: Pick, status: int, retry_after: str | None) -> None:
+        self.picker.answered(pick, status, retry_after)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

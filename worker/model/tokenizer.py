@@ -2,7 +2,9 @@
 and chat template, and an incremental detokenizer for streaming."""
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ class Tokenizer:
         self.add_bos_token = bool(tok_config.get("add_bos_token", False))
         self.chat_template = _chat_template(model_dir, tok_config)
         self.eos_token_ids = _eos_token_ids(self, model_dir)
+        self._template: Any = None  # the chat template, compiled at first use
 
     @property
     def hf_tokenizer(self) -> HFTokenizer:
@@ -67,14 +70,77 @@ class Tokenizer:
         """Render `messages` ([{"role", "content"}]) to the prompt text; encode it with add_special_tokens=False."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template).render(
+        if self._template is None:  # compiled once (a render may run on any of the server's threads)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens `text` encodes to, without encoding it (0 where this tokenizer's
+        normalizer, pre-tokenizer or model may drop or fuse an unbounded run of characters)."""
+        bound = self._length_bound
+        if bound is None:
+            return 0
+        data = "".join(text.split()) if bound.whitespace_may_vanish else text
+        return -(-len(data.encode("utf-8", "surrogatepass")) // (bound.max_token_bytes * bound.shrink))
+
+    @functools.cached_property
+    def _length_bound(self) -> LengthBound | None:
+        return length_bound(json.loads(self._tok.to_str()),
+                            (self._tok.id_to_token(i) or "" for i in range(self._tok.get_vocab_size())))
+
+
+@dataclass(frozen=True)
+class LengthBound:
+    """How few tokens a text can encode to: at least (its UTF-8 bytes / shrink) / max_token_bytes."""
+    max_token_bytes: int  # the longest token's string, in UTF-8 bytes (byte-level and SentencePiece token strings
+    # spell a byte or a space with a 2- or 3-byte character: an overestimate, which keeps the bound a lower one)
+    shrink: int = 1  # a Unicode normalizer may shorten text this many times (NFKC: a 4-byte letter to 1 byte)
+    whitespace_may_vanish: bool = False  # an added token strips the whitespace around it: count none
+
+
+SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Prepend"}
+SAFE_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def length_bound(doc: dict[str, Any], tokens: Any) -> LengthBound | None:
+    """The bound for tokenizer.json `doc` and its vocabulary's token strings; None where no safe one is known:
+    a normalizer or pre-tokenizer that may drop characters (Strip, BertNormalizer, Whitespace, a regex Replace,
+    a Split that removes its matches), or a model that fuses unknown characters into one token."""
+    def parts(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+        if node is None:
+            return []
+        return [p for n in node[key] for p in parts(n, key)] if node.get("type") == "Sequence" else [node]
+
+    shrink = 1
+    for n in parts(doc.get("normalizer"), "normalizers"):
+        kind = n.get("type")
+        if kind == "Replace" and "String" in (n.get("pattern") or {}) and \
+                len(n.get("content", "").encode()) >= len(n["pattern"]["String"].encode()):
+            continue  # e.g. SentencePiece's " " -> "\u2581": never shorter
+        if kind not in SAFE_NORMALIZERS:
+            return None
+        if kind.startswith("NF"):
+            shrink = 4
+    for n in parts(doc.get("pre_tokenizer"), "pretokenizers"):
+        if n.get("type") not in SAFE_PRE_TOKENIZERS or n.get("behavior") == "Removed":
+            return None
+    model = doc.get("model") or {}
+    if model.get("type") == "BPE":
+        if model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None
+    elif not (model.get("type") == "Unigram" and model.get("byte_fallback")):
+        return None  # WordPiece, WordLevel: a whole unknown word is one token
+    added = doc.get("added_tokens") or []
+    longest = max([len(t.encode()) for t in tokens] + [len(t["content"].encode()) for t in added] + [1])
+    return LengthBound(longest, shrink, any(t.get("lstrip") or t.get("rstrip") for t in added))
 
 
 def _raise_template_error(message: str) -> None:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Awaitable
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from disagg.worker.client_disconnect import unless_disconnected
+from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
+from disagg.worker.router.draining import STOPPING_MESSAGE
 from disagg.worker.router.hop_bodies import check_max_tokens
 from disagg.worker.router.hops import serve
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
-from disagg.worker.router.replies import Reply, error_reply
+from disagg.worker.router.replies import Reply, error_reply, shed_reply
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
 
@@ -60,13 +64,19 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        """503 while a background task is down (supervision.py), naming it and why."""
+        if state.down:
+            return JSONResponse({"status": "unhealthy", "down": dict(state.down)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
         n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
-        body = {"ready": n_decode > 0, "decode_ready": n_decode, "prefill_ready": n_prefill}
-        return JSONResponse(body, status_code=200 if n_decode else 503)
+        body = {"ready": n_decode > 0 and not state.drain.draining, "decode_ready": n_decode,
+                "prefill_ready": n_prefill}
+        if state.drain.draining:
+            body["reason"] = "draining"
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/endpoints")
     async def endpoints() -> Response:
@@ -120,4 +130,27 @@ async def route(state: RouterState, request: Request, path: str) -> Reply:
         return error_reply(400, problem, "invalid_request_error", problem.split(" ", 1)[0])
     headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
     deadline = Deadline(state.timeouts)
-    return await serve(state, await state.plan(body, path), path, body, headers, deadline)
+
+    async def hops() -> Reply:
+        if (shed := await room_for(state, state.decode, deadline)) is not None:  # before any work for it
+            return shed_reply(shed, headers)
+        return await serve(state, await state.plan(body, path), path, body, headers, deadline)
+
+    return await answered(state, request, hops())
+
+
+async def answered(state: RouterState, request: Request, work: Awaitable[Reply]) -> Reply:
+    """The reply `work` gives, unless the client leaves first - then the work is cancelled: its hop's connection
+    closes and the worker aborts the request (a streamed reply's framework does the same once it streams) - or
+    the drain timeout runs out first (a 503)."""
+    came, outcome = await unless_disconnected(request, state.drain.unless_stopping(work))
+    if not came:
+        state.metrics.request("client_gone")
+        return Reply(499)
+    finished, reply = outcome
+    if not finished:
+        state.metrics.request("unavailable")
+        stopping = error_reply(503, STOPPING_MESSAGE, "service_unavailable")
+        stopping.headers = {"Retry-After": str(DEFAULT_RETRY_AFTER_S)}
+        return stopping
+    return reply

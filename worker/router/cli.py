@@ -7,10 +7,10 @@ import contextlib
 import logging
 from typing import Any
 
-import uvicorn
-
 from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
-from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing
+from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
+from disagg.worker.router.draining import DRAIN_DELAY_S, DRAIN_TIMEOUT_S
+from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing, graceful_config
 
 logger = logging.getLogger("disagg.worker.router")
 
@@ -22,8 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-early-first-token", dest="early_first_token", action="store_false",
                    help="stream a P/D request's first token from the decode worker, not from the prefill's answer "
                         "(a decode hop that fails is then a 5xx status, not an SSE error event after that token)")
-    p.add_argument("--drain-timeout", type=float, default=120.0,
-                   help="seconds to wait for open requests after SIGTERM")
+    p.add_argument("--drain-delay", type=float, default=DRAIN_DELAY_S,
+                   help="seconds after SIGTERM during which /ready answers 503 and requests are still served, "
+                        "before the listener closes")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="seconds open requests get once the listener closed; then each open stream ends with an "
+                        "SSE error event and each waiting request with a 503")
+    add_body_arguments(p)
     add_client_key_arguments(p)
     p.add_argument("--tls-cert-file", metavar="PEM", help="serve HTTPS with this certificate (chain); needs "
                    "--tls-key-file")
@@ -47,11 +52,17 @@ def run(args: argparse.Namespace) -> int:
         routing = build_routing(args, early_first_token=args.early_first_token)
         keys = client_keys(args.api_key_file)
         tls = tls_options(args)
+        if args.drain_delay < 0 or args.drain_timeout < 0:
+            raise ValueError(f"--drain-delay and --drain-timeout must be >= 0 seconds, got {args.drain_delay} and "
+                             f"{args.drain_timeout}")
+        if problems := body_limit_problems(args):
+            raise ValueError("; ".join(problems))
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     state = routing.state
     app = build_app(state)
+    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes, idle_s=args.request_body_timeout)
     if keys is not None:
         app.add_middleware(RequireApiKey, keys=keys)
     else:
@@ -65,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             yield
 
     app.router.lifespan_context = lifespan
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=args.drain_timeout, access_log=False, **tls))
+    server = GracefulServer(graceful_config(app, args.drain_timeout, host=args.host, port=args.port,
+                                            log_level=args.log_level.lower(), **tls),
+                            state.drain, args.drain_delay, args.drain_timeout)
     server.run()
     return 0 if server.started else 1

@@ -37,6 +37,10 @@ class Endpoint:
     refused_at: float | None = None  # when its last probe failed without a timeout (refused, reset); None: it answered
     unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # 0: never judged by its probes (the hop bounds still hold)
     health: outliers.Health = field(default_factory=outliers.Health)  # hop failures and ejection (outliers.py)
+    # it answered 429 (its waiting queue is full): not picked before this (monotonic) while another can take the
+    # request - except for `credits` requests, one per request of this router that finished there meanwhile
+    saturated_until: float = 0.0
+    credits: int = 0
     waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
 
     def unresponsive(self) -> bool:
@@ -52,6 +56,10 @@ class Endpoint:
 
     def probe_answered(self) -> None:
         self.probe_timeouts, self.unanswered_since = 0, None
+
+    def saturated(self, now: float) -> bool:
+        """Full by its last 429, with no room freed since (capacity.py)."""
+        return now < self.saturated_until and self.credits <= 0
 
     def load(self) -> float:
         """This router's in-flight requests are counted at once, the worker's own count (which also holds other
@@ -138,7 +146,8 @@ class EndpointPool:
         revisions: only endpoints of these serving revisions when any is available (during a rollout, KV moves
         only between prefill and decode pods that run the same model/config).
         costs: url -> this request's cost there (the policy's plan: prefix_policy.py); the cheapest goes first."""
-        candidates = self.available(exclude)
+        now = self.clock()
+        candidates = [e for e in self.available(exclude) if not e.saturated(now)]
         if revisions is not None:
             candidates = [e for e in candidates if e.revision in revisions] or candidates
         if not candidates:
@@ -149,8 +158,43 @@ class EndpointPool:
 
     def pick(self, exclude: set[str] = frozenset(), revisions: set[str | None] | None = None,
              costs: dict[str, float] | None = None) -> Endpoint | None:
-        """The first of `ranked`; None when no endpoint is available."""
-        return next(iter(self.ranked(exclude, revisions, costs)), None)
+        """The first of `ranked`; None when no endpoint is available (or every one is saturated). A saturated
+        endpoint taken on a credit spends it."""
+        chosen = next(iter(self.ranked(exclude, revisions, costs)), None)
+        if chosen is not None and self.clock() < chosen.saturated_until:
+            chosen.credits -= 1
+        return chosen
+
+    def unpick(self, endpoint: Endpoint) -> None:
+        """A pick that is not sent after all: the credit it spent comes back."""
+        if self.clock() < endpoint.saturated_until:
+            endpoint.credits += 1
+
+    def saturated_only(self, exclude: set[str] = frozenset()) -> bool:
+        """Endpoints are available, and every one is saturated: the request waits for room or is shed."""
+        now = self.clock()
+        available = self.available(exclude)
+        return bool(available) and all(e.saturated(now) for e in available)
+
+    def saturation_ends_in(self, exclude: set[str] = frozenset()) -> float:
+        """Seconds until the first available endpoint's saturation runs out (0 when one is not saturated)."""
+        now = self.clock()
+        return max(min((e.saturated_until for e in self.available(exclude)), default=now) - now, 0.0)
+
+    def mark_saturated(self, endpoint: Endpoint, seconds: float) -> None:
+        """It answered 429 with Retry-After `seconds`: full until then (no room freed since it said so). Not a
+        failure: its health and ejection are left alone."""
+        endpoint.saturated_until = max(endpoint.saturated_until, self.clock() + seconds)
+        endpoint.credits = 0
+
+    def released(self, endpoint: Endpoint, freed: bool = True) -> bool:
+        """A request this router sent there finished; True when that freed room at a saturated endpoint (one
+        request's worth: its queue moved by one). freed False: it was refused there (429), and freed nothing."""
+        endpoint.outstanding -= 1
+        if freed and self.clock() < endpoint.saturated_until:
+            endpoint.credits += 1
+            return True
+        return False
 
     def mark_failed(self, endpoint: Endpoint, timed_out: bool = False) -> float | None:
         """A connection error, 5xx or timeout: stop choosing it until the next probe says it is ready, and

@@ -9,6 +9,13 @@ Every wait is bounded (timeouts.py): a hop that runs past its bound fails over a
 decode endpoint left the client gets a 504 (503 when none could be reached), never a half-written 200. Failed
 endpoints are ejected for a while (outliers.py).
 
+A worker at capacity (429) is no failure (capacity.py): it is skipped until its Retry-After and the request goes
+to another endpoint of the pool; with every one saturated it waits for room, briefly, and is then shed with a
+429 - before the prefill hop when every decode endpoint is saturated (a request that will be shed costs no
+prefill), and when every prefill endpoint is (computing the prompt at a decode worker instead would carry the
+overload to the decode pool and slow every stream running there). A full hop connection pool is a 503 with
+Retry-After, and no verdict on any worker either.
+
 Framework-free: `serve` takes a parsed body and the policy's plan and returns a Reply, so the router's HTTP app
 (app.py), a decode-side hop (the pools hold the prefill endpoints it may use and itself; the plan's costs put the
 named prefill first) and `prefill_hop` alone (a decode worker that prefills remotely, then decodes itself) share it.
@@ -26,11 +33,12 @@ from typing import Any
 import httpx
 
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
+from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
 from disagg.worker.router.hop_bodies import decode_bodies, early_first_chunk, needs_prompt_logits, prefill_body
 from disagg.worker.router.policy import RoutePlan
-from disagg.worker.router.probes import await_ready
 from disagg.worker.router.relay import DecodeStream, relay
-from disagg.worker.router.replies import Reply, as_sse_error, error_reply
+from disagg.worker.router.draining import STOPPING_MESSAGE
+from disagg.worker.router.replies import Reply, as_sse_error, busy_reply, error_reply, shed_reply, sse_error
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline, HopTimeout, within
 
@@ -47,7 +55,8 @@ class PrefillOutcome:
 
 async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any], headers: dict[str, str],
                 deadline: Deadline) -> Reply:
-    """One client request through the hops; `body` is a JSON object whose max_tokens were checked."""
+    """One client request through the hops; `body` is a JSON object whose max_tokens were checked. The caller
+    asked `room_for` the decode pool first (before planning: a request that will be shed costs nothing)."""
     outcome = PrefillOutcome()
     first_chunk: bytes | None = None
     if plan.skip_prefill and state.prefill.endpoints:
@@ -77,26 +86,39 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
 async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict[str, Any],
                       headers: dict[str, str], deadline: Deadline) -> PrefillOutcome | Reply:
     """The hand-off from the first prefill endpoint that gives one (an empty outcome when none could: decode
-    alone), or a Reply to pass back when the prefill rejected the request (4xx)."""
-    tried: set[str] = set()
+    alone), or a Reply to pass back: the prefill rejected the request (4xx), every prefill endpoint is at
+    capacity (429), or the router's connections are all in use (503)."""
+    failed: set[str] = set()
     p_body = prefill_body(body)
-    while deadline.remaining() > 0 and (ep := state.pick_prefill(plan, tried)) is not None:
-        tried.add(ep.url)
+    while deadline.remaining() > 0:
+        ep = await next_endpoint(state, state.prefill, lambda: state.pick_prefill(plan, failed), failed, deadline)
+        if ep is None:
+            break
+        if isinstance(ep, Shed):
+            return shed_reply(ep, headers)
         ep.outstanding += 1
         start = time.monotonic()
         try:  # the answer is one token: its first byte comes with the rest
             r = await within(state.client.post(ep.url + path, json=p_body, headers=headers,
                                                timeout=deadline.httpx_timeout()), deadline, "first_byte",
                              hung=ep.unresponsive)
+        except httpx.PoolTimeout:
+            return busy_reply(state, headers)
         except HopTimeout as e:
+            failed.add(ep.url)
             state.hop_timed_out(state.prefill, ep, "prefill", start, e)
             continue
         except httpx.HTTPError as e:
+            failed.add(ep.url)
             state.hop_failed(state.prefill, ep, "prefill", start, f"{type(e).__name__}: {e}")
             continue
         finally:
-            ep.outstanding -= 1
+            released(state, state.prefill, ep)
+        if r.status_code == 429:
+            saturated(state, state.prefill, ep, r.headers.get("retry-after"))
+            continue
         if r.status_code >= 500:
+            failed.add(ep.url)
             state.hop_failed(state.prefill, ep, "prefill", start, f"HTTP {r.status_code}: {r.text[:200]}")
             continue
         state.metrics.hop("prefill", time.monotonic() - start, error=False)
@@ -142,8 +164,12 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 
     async def chunks() -> AsyncIterator[bytes]:
         yield first_chunk
-        opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, True, revisions,
-                                   count_first_byte=False, ticket=outcome.ticket)
+        came, opened = await state.drain.unless_stopping(open_decode(
+            state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
+            ticket=outcome.ticket, committed=True))
+        if not came:  # the router's drain timeout ran out
+            yield sse_error(STOPPING_MESSAGE, 503, "service_unavailable")
+            return
         if isinstance(opened, Reply):  # no decode worker took it: what it would have said, as an event
             yield as_sse_error(opened)
             return
@@ -156,23 +182,25 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: dict[str, Any],
                       alone: dict[str, Any], headers: dict[str, str], deadline: Deadline, stream: bool,
                       revisions: set[str | None] | None, count_first_byte: bool = True,
-                      ticket: str | None = None) -> DecodeStream | Reply:
+                      ticket: str | None = None, committed: bool = False) -> DecodeStream | Reply:
     """A decode endpoint's stream that has its first byte, or the Reply to give the client (the whole answer
-    when not streamed, or why none came). `ticket`: the hand-off d_body carries, in the router's ledger."""
-    tried: set[str] = set()
+    when not streamed, or why none came). `ticket`: the hand-off d_body carries, in the router's ledger.
+    `committed`: the client has its 200 already: with every decode endpoint at capacity it waits for room
+    (capacity.next_endpoint) rather than being shed mid-answer."""
+    tried: set[str] = set()  # sent to
+    failed: set[str] = set()  # and failed (a 429 is no failure: the endpoint waits out its Retry-After)
     timed_out: str | None = None  # the last hop that ran past a bound: "url: why"
     # a non-streamed answer has no first byte before it is complete: only the total bounds it
     stage = "first_byte" if stream else "total"
-    waited = False
     while deadline.remaining() > 0:
-        ep = state.pick_decode(plan, tried, revisions)
+        # none ready: one that answers its probes (a pod just started, in a rollout's hand-over) may be ready
+        # within the connect bound - waited for once, before any other try, rather than refused at once
+        ep = await next_endpoint(state, state.decode, lambda: state.pick_decode(plan, failed, revisions), failed,
+                                 deadline, wait_ready=not tried, committed=committed)
         if ep is None:
-            # none ready: one that answers its probes (a pod just started, in a rollout's hand-over) may be
-            # ready within the connect bound - wait for it once rather than refuse at once
-            if waited or tried or not await await_ready(state, state.decode, deadline):
-                break
-            waited = True
-            continue
+            break
+        if isinstance(ep, Shed):
+            return shed_reply(ep, headers)
         tried.add(ep.url)
         if d_body is not alone and revisions is not None and ep.revision not in revisions:
             # no decode of the prefill's revision is left (a rollout removed it): KV of another revision may
@@ -183,7 +211,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             d_body = alone
         ep.outstanding += 1
         start = time.monotonic()
-        resp = None
+        resp, kept, freed = None, False, True  # kept: the count and the response go on with the stream returned
         carried = ticket if d_body is not alone else None  # the hand-off goes to this endpoint
         if carried is not None:
             state.handoffs.decode_sent(carried, ep.url)
@@ -192,6 +220,12 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                                                  timeout=deadline.httpx_timeout())
             resp = await within(state.client.send(request, stream=True), deadline, stage, since=start,
                                 hung=ep.unresponsive)
+            if resp.status_code == 429:
+                await within(resp.aread(), deadline, "idle")
+                freed = False
+                saturated(state, state.decode, ep, resp.headers.get("retry-after"))
+                _settle(state, carried, consumed=False)
+                continue
             if resp.status_code >= 500:
                 await within(resp.aread(), deadline, "idle")
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
@@ -199,8 +233,6 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             if resp.status_code >= 400 or not stream:
                 # a broken or abandoned body is retried: nothing was sent yet
                 content = await within(resp.aread(), deadline, stage, since=start, hung=ep.unresponsive)
-                await resp.aclose()
-                ep.outstanding -= 1
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
                 state.decode.mark_ok(ep)
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
@@ -209,10 +241,11 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             chunks = resp.aiter_raw()
             # before the first byte, a failure can still be retried
             first = await within(chunks.__anext__(), deadline, "first_byte", since=start, hung=ep.unresponsive)
+        except httpx.PoolTimeout:
+            _settle(state, carried, consumed=False)
+            return busy_reply(state, headers)
         except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
-            if resp is not None:
-                await resp.aclose()
-            ep.outstanding -= 1
+            failed.add(ep.url)
             _settle(state, carried, consumed=False)
             if isinstance(e, HopTimeout):
                 state.hop_timed_out(state.decode, ep, "decode", start, e)
@@ -220,6 +253,13 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             else:
                 state.hop_failed(state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
             continue
+        else:
+            kept = True
+        finally:  # also when the client left (cancelled): the connection closes, the worker aborts
+            if not kept:
+                if resp is not None:
+                    await resp.aclose()
+                released(state, state.decode, ep, freed)
         state.decode.mark_ok(ep)
         _settle(state, carried, consumed=True)
         if count_first_byte:

@@ -29,6 +29,9 @@ KV_EVENTS = "disagg:router_kv_events"
 KV_EVENTS_LOST = "disagg:router_kv_events_lost"
 TTFT = "disagg:router_time_to_first_token_seconds"
 REFUSED_PREFILL_TARGETS = "disagg:router_refused_prefill_targets"
+SATURATED = "disagg:router_worker_saturated"  # counter: 429s from workers (their queue full), per hop
+QUEUED = "disagg:router_queued_requests"  # gauge: requests waiting for room at a saturated pool, per hop
+TASK_RESTARTS = "disagg:router_task_restarts"  # counter: background tasks that died and were restarted, per task
 # KV hand-offs per endpoint, measured at the router for any engine (handoffs.py); labels endpoint (its URL) and
 # endpoint_pod (its pod's name; not "pod", which a scrape's target labels own)
 KV_PENDING_SENDS = "disagg:router_kv_pending_sends"
@@ -54,7 +57,15 @@ class RouterMetrics:
                                   labels, registry=r)
         self.hop_latency = Histogram(HOP_LATENCY, "Hop latency: prefill until the response, decode until the last "
                                      "byte.", labels, buckets=E2E_BUCKETS, registry=r)
-        self.requests = Counter(REQUESTS, "Client requests, by outcome.", (*LABELS, "outcome"), registry=r)
+        self.requests = Counter(REQUESTS, "Client requests, by outcome (ok, bad_request, timeout, unavailable, "
+                                "upstream_error; shed: 429, every worker at capacity; busy: 503, the router's "
+                                "connections to workers all in use; client_gone: the client left first).",
+                                (*LABELS, "outcome"), registry=r)
+        self.saturated_total = Counter(SATURATED, "429s from workers (their waiting queue full), per hop: the "
+                                       "endpoint is skipped until its Retry-After; never counted as a failure.",
+                                       labels, registry=r)
+        self.task_restarts = Counter(TASK_RESTARTS, "Background tasks (probes, discovery, KV events) that died and "
+                                     "were restarted, per task.", (*LABELS, "task"), registry=r)
         self.decode_alone = Counter(DECODE_ALONE, "Client requests the decode worker computed alone: prefill "
                                     "endpoints are configured but none gave KV.", LABELS, registry=r)
         self.hop_timeouts = Counter(HOP_TIMEOUTS, "Hops that ran past a bound, per hop and stage (connect, "
@@ -98,6 +109,16 @@ class RouterMetrics:
         self.hop_latency.labels(self.model_name, self.role, hop).observe(latency_s)
         if error:
             self.hop_errors.labels(self.model_name, self.role, hop).inc()
+
+    def saturated(self, hop: str) -> None:
+        self.saturated_total.labels(self.model_name, self.role, hop).inc()
+
+    def watch_queues(self, waiting: Callable[[], dict[str, int]]) -> None:
+        """Export the requests waiting for room per pool (`waiting`: role -> count), read at each scrape."""
+        self.registry.register(_QueueCollector(self, waiting))
+
+    def task_restarted(self, task: str) -> None:
+        self.task_restarts.labels(self.model_name, self.role, task).inc()
 
     def timed_out(self, hop: str, stage: str) -> None:
         self.hop_timeouts.labels(self.model_name, self.role, hop, stage).inc()
@@ -159,3 +180,18 @@ class _HandoffCollector:
                     family.add_metric([self.metrics.model_name, self.metrics.role, url, pod],
                                       float(table.get(url, (0, 0.0))[part]))
             yield family
+
+
+class _QueueCollector:
+    """Requests waiting for room at a saturated pool (capacity.py), per hop, read when scraped."""
+
+    def __init__(self, metrics: RouterMetrics, waiting: Callable[[], dict[str, int]]):
+        self.metrics, self.waiting = metrics, waiting
+
+    def collect(self) -> Any:
+        family = GaugeMetricFamily(QUEUED, "Requests waiting for room at a pool whose every endpoint is saturated, "
+                                   "per hop.", labels=[*LABELS, "hop"])
+        counts = self.waiting()
+        for hop in ("prefill", "decode"):
+            family.add_metric([self.metrics.model_name, self.metrics.role, hop], float(counts.get(hop, 0)))
+        yield family

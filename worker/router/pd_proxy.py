@@ -32,6 +32,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from disagg.worker.body_limit import add_body_arguments
     from disagg.worker.router.routing import add_routing_arguments
 
     add_routing_arguments(p)  # where this resource's prefill pods are (the decode side's allowlist)
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill: how long the engine keeps KV nobody pulled (its hand-off's lease end)")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for open requests after SIGTERM")
+    add_body_arguments(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- ENGINE COMMAND",
                    help="start the engine as this proxy's child (`disagg up`: `-- vllm serve ...`): it gets SIGTERM "
@@ -64,7 +66,7 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
         if app.state.server is not None and app.state.server.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         try:
-            r = await state.client.get(f"{engine_url}/health", timeout=2.0)
+            r = await state.probes.get(f"{engine_url}/health", timeout=2.0)
         except httpx.HTTPError as e:
             return JSONResponse({"ready": False, "reason": f"engine: {type(e).__name__}"}, status_code=503)
         return JSONResponse({"ready": r.status_code == 200, "role": role}, status_code=200 if r.status_code == 200
@@ -76,7 +78,7 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
         from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
 
         try:
-            r = await state.client.get(f"{engine_url}/metrics", timeout=5.0)
+            r = await state.probes.get(f"{engine_url}/metrics", timeout=5.0)
             engine_page = r.content if r.status_code == 200 else b""
         except httpx.HTTPError:
             engine_page = b""
@@ -121,8 +123,12 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
 async def generate(state: Any, request: Any, path: str, engine_url: str, role: str, signer: Any,
                    lease_s: float) -> Any:
     """The request's answer. The client's Authorization goes along on every hop (vLLM checks its own
-    --api-key; the prefill hop's pd-proxy passes it on to its vLLM) and never comes back in the answer."""
-    reply = await _generate(state, request, path, engine_url, role, signer, lease_s)
+    --api-key; the prefill hop's pd-proxy passes it on to its vLLM) and never comes back in the answer. A client
+    that leaves cancels it (vLLM sees the connection close and aborts)."""
+    from disagg.worker.router.app import answered
+
+    await request.body()  # read (and kept) first: the disconnect watch reads the messages after it
+    reply = await answered(state, request, _generate(state, request, path, engine_url, role, signer, lease_s))
     if reply.headers:
         reply.headers = {k: v for k, v in reply.headers.items() if k.lower() != "authorization"}
     return reply
@@ -216,12 +222,13 @@ async def _prefill(state: Any, engine_url: str, path: str, body: dict[str, Any],
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    import uvicorn
-
+    from disagg.worker.body_limit import LimitRequestBody, body_limit_problems
     from disagg.worker.kv_transfer.handoff_auth import signer_from_env
-    from disagg.worker.router.routing import GracefulServer, build_routing
+    from disagg.worker.router.routing import GracefulServer, build_routing, graceful_config
 
     try:
+        if problems := body_limit_problems(args):
+            raise ValueError("; ".join(problems))
         args.decode = [args.engine_url]  # the one decode "pool" member: the engine behind this proxy
         routing = build_routing(args, metrics_role=args.role, need_decode=False)
         # named as its pod (POD_NAME: the downward API, or disagg up's process name) in the per-endpoint metrics
@@ -234,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("no hand-off key ($DISAGG_HANDOFF_KEY): hand-offs are neither signed nor checked; run "
                        "only on a network no one else reaches")
     app = build_app(routing.state, args.engine_url.rstrip("/"), args.role, signer, args.kv_lease_seconds)
+    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes, idle_s=args.request_body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:
@@ -241,8 +249,9 @@ def run(args: argparse.Namespace) -> int:
             yield
 
     app.router.lifespan_context = lifespan
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=args.drain_timeout, access_log=False))
+    server = GracefulServer(graceful_config(app, args.drain_timeout, host=args.host, port=args.port,
+                                            log_level=args.log_level.lower()),
+                            routing.state.drain, drain_timeout_s=args.drain_timeout)
     app.state.server = server
     command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
     with _engine_child(command, server, args.drain_timeout) as engine:

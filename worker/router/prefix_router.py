@@ -63,7 +63,7 @@ class PrefixRouter:
         self.index = KVIndex()
 
     def prompt_token_ids(self, body: dict[str, Any], path: str) -> list[int] | None:
-        """The prompt's token ids as the worker computes them (app._prompt_token_ids); None when this cannot
+        """The prompt's token ids as the worker computes them (server/admission.prompt_token_ids); None when this cannot
         tell (no tokenizer yet, or a request the worker will reject anyway)."""
         tok = self.tokenizer
         if tok is None:

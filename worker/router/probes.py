@@ -1,6 +1,7 @@
 """The router's view of its workers: each endpoint's readiness (GET /ready, or /health where a worker has no
 /ready, as vLLM's), whether it stopped answering (Endpoint.unresponsive), its load from /metrics, and the model
-name for metric labels. One probe round per --probe-interval."""
+name for metric labels. One probe round per --probe-interval, on the probes' own connection pool
+(RouterState.probes): a full hop pool never delays a probe, so it never makes a busy worker look hung."""
 from __future__ import annotations
 
 import asyncio
@@ -99,7 +100,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
         await _scrape_load(state, ep, timeout)
     if ready and state.metrics.model_name == "":
         try:
-            r = await state.client.get(f"{ep.url}/v1/models", timeout=2.0)
+            r = await state.probes.get(f"{ep.url}/v1/models", timeout=2.0)
             state.metrics.model_name = r.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             pass
@@ -112,15 +113,15 @@ async def _get(state: RouterState, url: str, timeout: float) -> httpx.Response:
     verdict on the worker - taken as one, a busy worker left the pool until a probe passed,
     which on a starved CPU (probes timing out meanwhile) was a minute with no decode endpoint."""
     try:
-        return await state.client.get(url, timeout=timeout)
+        return await state.probes.get(url, timeout=timeout)
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-        return await state.client.get(url, timeout=timeout)
+        return await state.probes.get(url, timeout=timeout)
 
 
 async def _scrape_load(state: RouterState, ep: Endpoint, timeout: float) -> None:
     """The worker's own running + waiting requests and KV usage (vLLM's names, which ours exports too)."""
     try:
-        r = await state.client.get(f"{ep.url}/metrics", timeout=timeout)
+        r = await state.probes.get(f"{ep.url}/metrics", timeout=timeout)
     except httpx.HTTPError:
         return
     load = load_from_metrics(r.text) if r.status_code == 200 else None

@@ -4,16 +4,18 @@ endpoint picker (`disagg epp`) and the decode side's prefill hop (`disagg worker
 Each gets the same parts from the same flags: the two pools (endpoints.py) from a discovery (static URLs, a file
 another process rewrites, or Kubernetes pods), the probes that keep them current (probes.py), the routing policy
 (policies.py) and, for a policy that reads prefixes, the KV-event subscriptions and tokenizer (prefix_router.py).
-`running()` starts the background tasks (probes, discovery, KV events) with one HTTP client and stops them.
+`running()` starts the background tasks (probes, discovery, KV events), supervised (supervision.py), with two
+HTTP clients - one for the hops, one of its own for the probes and /metrics scrapes, so that a full hop pool never
+delays a probe (and so never makes a busy worker look hung) - and stops them.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from disagg.worker.router.draining import CUT_GRACE_S, DRAIN_DELAY_S, DRAIN_TIMEOUT_S, Drain
 from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.outliers import OutlierPolicy
@@ -28,7 +31,9 @@ from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicySe
 from disagg.worker.router.policy import RoutingPolicy
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 from disagg.worker.router.state import RouterState
+from disagg.worker.router.supervision import Supervisor
 from disagg.worker.router.timeouts import HopTimeouts
+from disagg.worker.router.waiting_room import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_WAIT_S
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +43,64 @@ logger = logging.getLogger(__name__)
 # The router drops idle connections well before any worker would (uvicorn's timeout_keep_alive default, which
 # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE keeps).
 KEEPALIVE_EXPIRY_S = 2.0
+HOP_CONNECTIONS = 1000  # the hops' pool: past it a request waits the connect bound for one, then gets a 503
+PROBE_CONNECTIONS = 64  # the probes' and scrapes' own pool
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn that drains at SIGTERM/SIGINT (a second SIGINT forces it) and then exits 0 (plain uvicorn re-raises
-    the signal); `draining` is set from the first signal on."""
-    draining = False
+    """uvicorn that drains at SIGTERM/SIGINT (draining.py: /ready 503 at once, the listener closed after
+    `drain_delay_s`, open streams cut with an error event after `drain_timeout_s`; a second SIGINT forces it) and
+    then exits 0 (plain uvicorn re-raises the signal). Give uvicorn's timeout_graceful_shutdown the drain timeout
+    plus CUT_GRACE_S (`config_for`), so that the error events go out before it cancels what is left."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain | None = None, drain_delay_s: float = 0.0,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+        super().__init__(config)
+        self.drain = drain or Drain()
+        self.drain_delay_s, self.drain_timeout_s = drain_delay_s, drain_timeout_s
+        self._close_at: float | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.drain.draining
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            logger.info("received %s: draining", signal.Signals(sig).name)
-        self.draining = True
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        self.should_exit = True
+        if not self.drain.draining:
+            logger.info("received %s: draining (/ready 503; the listener closes in %g s)", signal.Signals(sig).name,
+                        self.drain_delay_s)
+            self.drain.draining = True
+            self._close_at = time.monotonic() + self.drain_delay_s
+        elif sig == signal.SIGINT:  # a second Ctrl-C quits at once
+            self.force_exit = self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._close_at is not None and time.monotonic() >= self._close_at and not self.should_exit:
+            logger.info("closing the listener; open requests get %g s", self.drain_timeout_s)
+            self.should_exit = True
+            self.drain.cut_after(self.drain_timeout_s)
+        return await super().on_tick(counter)
+
+
+def graceful_config(app: Any, drain_timeout_s: float, **kw: Any) -> uvicorn.Config:
+    """uvicorn's config for a GracefulServer: its own bound on open connections past the drain timeout."""
+    return uvicorn.Config(app, timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S, access_log=False, **kw)
 
 
 def worker_client(api_key: str | None = None) -> httpx.AsyncClient:
-    """One client for every hop, probe and scrape; with the workers' API key on every request (api_keys.py)."""
+    """The hops' client; with the workers' API key on every request (api_keys.py)."""
     from disagg.worker.api_keys import bearer
 
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    limits = httpx.Limits(max_connections=HOP_CONNECTIONS, max_keepalive_connections=100,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(limits=limits, headers=bearer(api_key) if api_key else None)
+
+
+def probe_client(api_key: str | None = None) -> httpx.AsyncClient:
+    """The probes' and scrapes' client: a pool of its own (each call sets its own timeout)."""
+    from disagg.worker.api_keys import bearer
+
+    limits = httpx.Limits(max_connections=PROBE_CONNECTIONS, max_keepalive_connections=PROBE_CONNECTIONS,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     return httpx.AsyncClient(limits=limits, headers=bearer(api_key) if api_key else None)
 
 
@@ -98,6 +140,12 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    default=PrefixPolicyConfig.skip_prefill_max_missing_blocks, help="send to decode alone when the "
                    "chosen decode endpoint misses at most this many full blocks of the prompt (0: only all)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between /ready probes")
+    # load shedding (router/capacity.py): a worker at capacity answers 429; with every one of a pool so
+    p.add_argument("--queue-wait", type=float, default=DEFAULT_QUEUE_WAIT_S,
+                   help="seconds a request waits for room when every worker of a pool is at capacity (answered "
+                        "429), before it is answered 429 with Retry-After (0: at once)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="requests that may wait so at once, per pool; more are answered 429 at once")
     # bounds (router/timeouts.py): a hop past one fails over, or the client gets a 504 (README: Reliability)
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (and to wait "
                    "for a starting one when none is ready)")
@@ -142,11 +190,12 @@ class Routing:
         from disagg.worker.router.probes import probe_forever
 
         state, args, discovery = self.state, self.args, self.discovery
-        async with worker_client(self.worker_api_key) as client:
-            state.client = client
-            tasks = [asyncio.ensure_future(probe_forever(state))]
+        async with worker_client(self.worker_api_key) as client, probe_client(self.worker_api_key) as probes:
+            state.client, state.probe_client = client, probes
+            supervisor = Supervisor(state.metrics, state.down)
+            supervisor.start("probes", lambda: probe_forever(state))
             if discovery is not None:
-                tasks.append(asyncio.ensure_future(discovery.run(state.prefill, state.decode)))
+                supervisor.start("discovery", lambda: discovery.run(state.prefill, state.decode))
             if state.prefix is not None:
                 from disagg.worker.kv_events.subscriber import EventsDirectory
                 from disagg.worker.router.prefix_router import maintain_forever
@@ -155,14 +204,12 @@ class Routing:
                     if isinstance(discovery, FileDiscovery) else None
                 directory = EventsDirectory(args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic,
                                             announced)
-                tasks.append(asyncio.ensure_future(maintain_forever(
-                    state.prefix, [state.prefill, state.decode], client, args.probe_interval, directory)))
+                supervisor.start("kv_events", lambda: maintain_forever(
+                    state.prefix, [state.prefill, state.decode], probes, args.probe_interval, directory))
             try:
                 yield state
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await supervisor.stop()
 
 
 def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str | None = None,
@@ -196,6 +243,10 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
     problems = timeouts.problems() + ejection.problems()
     if args.unresponsive_after < 0:
         problems.append(f"--unresponsive-after must be >= 0 seconds, got {args.unresponsive_after}")
+    if args.queue_wait < 0:
+        problems.append(f"--queue-wait must be >= 0 seconds, got {args.queue_wait}")
+    if args.max_queued_requests < 0:
+        problems.append(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if problems:
         raise ValueError("; ".join(problems))
     discovery: Any = None
@@ -228,6 +279,8 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
     if isinstance(discovery, FileDiscovery):
         discovery.poll(prefill, decode)  # the first membership before serving
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
-                        prefix=prefix, early_first_token=early_first_token)
+                        prefix=prefix, early_first_token=early_first_token, queue_wait_s=args.queue_wait,
+                        max_queued=args.max_queued_requests)
     metrics.watch_handoffs(state.handoffs, state.members)
+    metrics.watch_queues(lambda: {role: room.waiting for role, room in state.rooms.items()})
     return Routing(state, discovery, args, worker_key(getattr(args, "worker_api_key_file", None)))

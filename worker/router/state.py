@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from disagg.worker.router.draining import Drain
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
 from disagg.worker.router.handoffs import HandoffLedger
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.policy import RoutePlan, RoutingPolicy
 from disagg.worker.router.timeouts import HopTimeout, HopTimeouts
+from disagg.worker.router.waiting_room import WaitingRoom
 
 if TYPE_CHECKING:
     from disagg.worker.router.prefix_router import PrefixRouter
@@ -27,12 +29,32 @@ class RouterState:
     prefill: EndpointPool
     decode: EndpointPool
     metrics: RouterMetrics
-    client: httpx.AsyncClient | None = None
+    client: httpx.AsyncClient | None = None  # the hops' (and the calls they make on a request's behalf)
+    # the probes' and /metrics scrapes': a pool of their own, so that a full hop pool never delays them (None: the
+    # hops' client, as in tests that build a state by hand)
+    probe_client: httpx.AsyncClient | None = None
     probe_interval_s: float = 1.0
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
     prefix: PrefixRouter | None = None  # a policy's prefix facts (prefix_router.py) when it reads them, else None
     handoffs: HandoffLedger = field(default_factory=HandoffLedger)  # KV hand-offs pending per endpoint
+    queue_wait_s: float | None = None  # how long a request waits for room at a saturated pool (None: the default)
+    max_queued: int | None = None  # how many may wait at once, per pool (None: the default)
+    rooms: dict[str, WaitingRoom] = field(default_factory=dict)  # role -> its waiting room (capacity.py)
+    drain: Drain = field(default_factory=Drain)  # the shutdown's state (draining.py)
+    down: dict[str, str] = field(default_factory=dict)  # background task -> why it is down (supervision.py)
+
+    def room(self, pool: EndpointPool) -> WaitingRoom:
+        if pool.role not in self.rooms:
+            bounds = {k: v for k, v in (("queue_wait_s", self.queue_wait_s), ("max_queued", self.max_queued))
+                      if v is not None}
+            self.rooms[pool.role] = WaitingRoom(**bounds)
+        return self.rooms[pool.role]
+
+    @property
+    def probes(self) -> httpx.AsyncClient | None:
+        """The client probes and scrapes go out on."""
+        return self.probe_client or self.client
 
     def members(self) -> list[tuple[str, str, str]]:
         """(role, url, pod name or host:port) of every endpoint, for the per-endpoint metrics."""

@@ -14,14 +14,16 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from disagg.worker.body_limit import BODY_IDLE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, LimitRequestBody
+from disagg.worker.server.admission import Preparer, PromptTooLong, QueueFull
 from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.router.decode_side import PREFILL_HEADER
 from disagg.worker.server.pd_hop import merged_metrics, prefill_remotely
+from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, check_kv_transfer_params, check_signature, parse_request,
-    sse,
+    APIError, CompletionRequest, check_kv_transfer_params, check_signature, sse,
 )
 from disagg.worker.server.tokenize_routes import add_tokenize_routes
 
@@ -41,25 +43,38 @@ class ServerState:
     # signs the hand-offs this worker answers with and checks those it is given (handoff_auth.py); None: no key,
     # hand-offs are neither signed nor checked
     signer: Any = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies: 413
+    body_timeout_s: float = BODY_IDLE_TIMEOUT_S  # a body silent this long: 408
+    preparer: Preparer = field(default_factory=Preparer)  # parsing, templates, tokenizing, grammars: off the loop
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self, request_id: str) -> str:
         # the client's X-Request-Id may repeat; the engine's ids must not
         return f"{request_id}#{next(self._ids)}"
 
+    def rejected(self, reason: str) -> None:
+        """Count a request refused before the engine (its metrics exist once the engine is loaded)."""
+        if self.engine_loop.metrics is not None:
+            self.engine_loop.metrics.rejected(reason)
+
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
+    app.add_middleware(LimitRequestBody, max_bytes=state.max_body_bytes, idle_s=state.body_timeout_s,
+                       on_reject=state.rejected)
     loop_ = state.engine_loop
 
     @app.get("/health")
     async def health() -> Response:
         if loop_.dead:
             return JSONResponse({"status": "error", "reason": loop_.dead}, status_code=500)
+        if state.pd is not None and state.pd.down:  # the prefill hop's probes or discovery (supervision.py)
+            return JSONResponse({"status": "unhealthy", "down": dict(state.pd.down)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
@@ -120,9 +135,20 @@ def build_app(state: ServerState) -> FastAPI:
 async def _generate(state: ServerState, request: Request, kind: Kind) -> Response:
     raw = await request.body()
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        _reserve(state)  # before a prefill hop too: a full queue refuses the request before the prefill's work
+    except APIError as e:
+        return error_response(e)
+    try:
+        return await _answer(state, request, kind, raw, request_id)
+    finally:
+        state.engine_loop.release()
+
+
+async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, request_id: str) -> Response:
     first_chunk = None
     target = request.headers.get(PREFILL_HEADER)
-    if target and state.pd is not None and not state.draining:
+    if target and state.pd is not None:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         prepared = await prefill_remotely(state.pd, path, raw, target, request_id, state.early_first_token,
                                           state.signer)
@@ -145,14 +171,34 @@ async def _generate(state: ServerState, request: Request, kind: Kind) -> Respons
                                  headers={"X-Request-Id": job.request_id})
     if job.stream:
         # a request that fails before its first token (e.g. its remote KV did not load under policy fail) gets
-        # an error status, not a 200 stream carrying only an error event: wait for the first output first
-        first = await job.sink.get()
+        # an error status, not a 200 stream carrying only an error event: wait for the first output first (or
+        # for the client to leave: queued, it may wait long)
+        answered, first = await unless_disconnected(request, job.sink.get())
+        if not answered:
+            state.engine_loop.abort(job.engine_id)
+            logger.info("client disconnected before the first token; aborted %s", job.engine_id)
+            return Response(status_code=499)
         if first is not None and first.finished and first.outputs[0].finish_reason == "error":
             observe(state.engine_loop, first, None)
             return error_response(APIError(500, first.error or "request failed in the engine", "internal_error"))
         return StreamingResponse(stream(state.engine_loop, job, first), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.request_id})
     return await complete(state.engine_loop, request, job)
+
+
+def _reserve(state: ServerState) -> None:
+    """Room for the request in the waiting queue by the engine's last reading (admission.py), or the APIError
+    refusing it: 503 while draining or loading, 429 with Retry-After when the queue is full."""
+    loop_ = state.engine_loop
+    if state.draining:
+        raise APIError(503, "server is draining", "service_unavailable")
+    if not loop_.ready:
+        raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
+    try:
+        loop_.reserve()
+    except QueueFull as e:
+        state.rejected(e.reason)
+        raise e.api_error() from None
 
 
 async def _after_first_chunk(state: ServerState, job: Job, first_chunk: bytes) -> Any:
@@ -164,25 +210,28 @@ async def _after_first_chunk(state: ServerState, job: Job, first_chunk: bytes) -
 
 
 async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind, verified: bool = False) -> Job:
-    """Parse, validate and queue; every rejection is an APIError with an OpenAI-style body. A hand-off naming
-    remote KV is checked here, before the engine (and so its connector) sees it, unless `verified` (this worker's
-    own prefill hop checked it)."""
+    """Prepare off the event loop (admission.py), check the hand-off and queue (the caller reserved room); every
+    rejection is an APIError with an OpenAI-style body (429 with Retry-After when the queue is full). A hand-off
+    naming remote KV is checked here, before the engine (and so its connector) sees it, unless `verified` (this
+    worker's own prefill hop checked it)."""
     loop_ = state.engine_loop
-    if state.draining:
+    if state.draining:  # drained while a prefill hop ran
         raise APIError(503, "server is draining", "service_unavailable")
-    if not loop_.ready:
-        raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
     engine = loop_.engine
-    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    req = parse_request(raw, engine.served_model_name, model_cls)
-    handoff = check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
-    if handoff is not None and state.signer is not None and not verified:
-        check_signature(state.signer, handoff)
-    prompt_ids = _prompt_token_ids(engine, req)
-    sp = req.sampling_params(len(prompt_ids), engine.max_model_len)
-    engine_id = state.next_engine_id(request_id)
     try:
+        prepared = await state.preparer.prepare(engine, raw, kind)
+        req, prompt_ids, sp = prepared.request, prepared.prompt_ids, prepared.sampling_params
+        handoff = check_kv_transfer_params(req.kv_transfer_params, engine.config.kv_transfer_config.kv_connector)
+        if handoff is not None and state.signer is not None and not verified:
+            check_signature(state.signer, handoff)
+        engine_id = state.next_engine_id(request_id)
         sink = await loop_.add(prompt_ids, sp, engine_id, handoff)
+    except PromptTooLong:
+        state.rejected("prompt_too_long")
+        raise
+    except QueueFull as e:
+        state.rejected(e.reason)
+        raise e.api_error() from None
     except ValueError as e:
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
@@ -197,22 +246,7 @@ async def _admit(state: ServerState, raw: bytes, request_id: str, kind: Kind, ve
                handoff_signer=state.signer)
 
 
-def _prompt_str(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+def _prompt_str(req: Any) -> str | None:
     if isinstance(req, CompletionRequest) and isinstance(req.single_prompt(), str):
         return req.single_prompt()
     return None
-
-
-def _prompt_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    tok = engine.tokenizer
-    if isinstance(req, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's fault (e.g. bad roles)
-            raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from None
-        return tok.encode(text, add_special_tokens=False)
-    prompt = req.single_prompt()
-    if isinstance(prompt, str):
-        return tok.encode(prompt)
-    return list(prompt)  # the engine checks the ids against the vocabulary

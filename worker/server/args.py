@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from disagg.worker.body_limit import add_body_arguments
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS, all_settings
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -36,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    a = p.add_argument_group("admission (past a bound: 429 with Retry-After, or 413)")
+    a.add_argument("--max-waiting-requests", type=int, metavar="N",
+                   help="requests queued beyond the running batch (default: --max-num-seqs)")
+    a.add_argument("--max-waiting-prompt-tokens", type=int, metavar="N",
+                   help="prompt tokens queued to compute here; a request alone is always queued (default: 8 x "
+                        "--max-num-batched-tokens)")
+    add_body_arguments(a)
     g.add_argument("--seed", type=int, default=0)
     k = p.add_argument_group("KV transfer")
     k.add_argument("--kv-connector", help="a connector's name (see kv_transfer/connectors.py) or "

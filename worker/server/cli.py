@@ -96,6 +96,22 @@ def prefill_hop_routing(args: argparse.Namespace, api_key: str | None = None) ->
                            worker_api_key=api_key)
 
 
+def admission_limits(args: argparse.Namespace) -> Any:
+    """The waiting queue's bounds from the flags (defaults from the batch limits); ValueError naming a bad one."""
+    from disagg.worker.server.admission import AdmissionLimits
+
+    for flag, value in (("--max-waiting-requests", args.max_waiting_requests),
+                        ("--max-waiting-prompt-tokens", args.max_waiting_prompt_tokens)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    from disagg.worker.body_limit import body_limit_problems
+
+    if problems := body_limit_problems(args):
+        raise ValueError("; ".join(problems))
+    return AdmissionLimits.of(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting_requests,
+                              args.max_waiting_prompt_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from disagg.worker.model.tiny import default_model_dir
@@ -110,17 +126,19 @@ def run(args: argparse.Namespace) -> int:
         pd = prefill_hop_routing(args, api_keys[0] if api_keys else None)
         keys = ApiKeys.of(api_keys) if api_keys else None
         publisher = kv_events_publisher(args)
+        limits = admission_limits(args)
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
     try:
-        return _serve(args, config, publisher, pd, signer, keys)
+        return _serve(args, config, publisher, pd, signer, keys, limits)
     finally:
         if publisher is not None:  # after the engine stopped: its last changes are sent
             publisher.close()
 
 
-def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signer: Any, keys: Any) -> int:
+def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signer: Any, keys: Any,
+           limits: Any) -> int:
     from disagg.worker.engine.llm_engine import LLMEngine
     from disagg.worker.server.metrics import worker_metrics
     from disagg.worker.server.app import ServerState, build_app
@@ -128,10 +146,11 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signe
 
     lease = float(config.kv_transfer_config.kv_connector_extra_config.get("lease_seconds", DEFAULT_LEASE_SECONDS))
     engine_loop = EngineLoop(lambda: LLMEngine(config), lambda engine: worker_metrics(engine, args.role),
-                             publish_kv_events=publisher.publish if publisher is not None else None)
+                             publish_kv_events=publisher.publish if publisher is not None else None, limits=limits)
     state = ServerState(engine_loop, args.role, kv_events=publisher.info if publisher is not None else None,
                         pd=pd.state if pd is not None else None, early_first_token=args.early_first_token,
-                        signer=signer)
+                        signer=signer, max_body_bytes=args.max_request_body_bytes,
+                        body_timeout_s=args.request_body_timeout)
     app = build_app(state)
     if keys is not None:
         app.add_middleware(RequireApiKey, keys=keys)
@@ -140,7 +159,7 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signe
                        timeout_graceful_shutdown=args.drain_timeout, access_log=False),
         state,
     )
-    app.router.lifespan_context = _lifespan(server, engine_loop, lease, pd)
+    app.router.lifespan_context = _lifespan(server, engine_loop, lease, pd, state.preparer)
     server.run()
     if engine_loop.load_error:
         logger.error("%s", engine_loop.load_error)
@@ -165,7 +184,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _lifespan(server: Any, engine_loop: Any, lease_s: float, pd: Any) -> Any:
+def _lifespan(server: Any, engine_loop: Any, lease_s: float, pd: Any, preparer: Any) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:
         engine_loop.start(asyncio.get_running_loop())
@@ -180,6 +199,7 @@ def _lifespan(server: Any, engine_loop: Any, lease_s: float, pd: Any) -> Any:
         while engine_loop.ready and not engine_loop.idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(engine_loop.stop)
+        preparer.shutdown()
         logger.info("stopped")
 
     return lifespan

@@ -6,7 +6,11 @@ queue with loop.call_soon_threadsafe. It keeps stepping while KV transfers are p
 surface finished transfers; LLMEngine.step_or_wait holds the idle wait between them) and blocks on the
 command queue only when there is nothing at all to do. It uses the engine only through its loop API:
 add_request, abort_request, has_unfinished_requests, has_pending_kv_work, step_or_wait, metrics_snapshot,
-take_kv_connector_stats, take_kv_events, shutdown.
+queue_load, take_kv_connector_stats, take_kv_events, shutdown.
+
+With admission limits (server/admission.py) a request is queued only while the waiting queue has room: the
+engine thread decides as it takes the request (`QueueFull` otherwise), and the event loop turns a flood away
+before preparing it, from the engine's last reading (`load`) and the requests being prepared (`reserve`).
 """
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from disagg.worker.server.admission import AdmissionLimits, QueueFull, refusal
 from disagg.worker.server.metrics import WorkerMetrics
 from disagg.worker.engine.request_output import RequestOutput
+from disagg.worker.engine.stats import QueueLoad
 from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handoff import Handoff
 
@@ -37,6 +43,11 @@ class _Add:
     sink: asyncio.Queue  # receives RequestOutputs, then None after the final one
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
+    def local_prompt_tokens(self) -> int:
+        """The prompt tokens this engine computes (none of those whose KV comes from a remote prefill)."""
+        remote = self.kv_transfer_params is not None and self.kv_transfer_params.remote is not None
+        return 0 if remote or isinstance(self.prompt, str) else len(self.prompt)
+
 
 @dataclass
 class _Abort:
@@ -45,8 +56,9 @@ class _Abort:
 
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], Any], metrics_factory: Callable[[Any], WorkerMetrics],
-                 publish_kv_events: Callable[[Any], None] | None = None):
+                 publish_kv_events: Callable[[Any], None] | None = None, limits: AdmissionLimits | None = None):
         self._engine_factory = engine_factory
+        self.limits = limits  # None: the waiting queue is not bounded
         self._publish_kv_events = publish_kv_events  # takes an EventBatch (thread-safe); None: events are off
         self._metrics_factory = metrics_factory
         self.engine: Any = None  # set once loaded; read-only outside the thread (name, tokenizer, limits)
@@ -60,6 +72,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.dead: str | None = None  # why the engine thread died, if it did
         self.busy = False  # engine has unfinished requests or pending KV work (written by the engine thread)
+        self.load = QueueLoad(0, 0, 0)  # the waiting queue at the engine thread's last reading
+        self._preparing = 0  # requests that passed the event loop's check and are not yet queued (or refused)
 
     # ---------------------------------------------------------------- lifecycle (event loop side)
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -81,6 +95,19 @@ class EngineLoop:
             self._thread.join(timeout)
 
     # ---------------------------------------------------------------- requests (event loop side)
+    def reserve(self) -> None:
+        """Room for one more request by the last reading and the requests being prepared, or QueueFull; the
+        caller calls `release` once the request was added or given up."""
+        if self.limits is not None:
+            load = self.load
+            load = QueueLoad(load.waiting + self._preparing, load.waiting_prompt_tokens, load.free_slots)
+            if (reason := refusal(self.limits, load, 1, 0)) is not None:
+                raise QueueFull(reason, load, self.limits)
+        self._preparing += 1
+
+    def release(self) -> None:
+        self._preparing -= 1
+
     async def add(self, prompt: str | list[int], sp: SamplingParams, request_id: str,
                   kv_transfer_params: Handoff | None) -> asyncio.Queue:
         """Queue a request; raises ValueError (bad input) as the engine would. Returns the output queue."""
@@ -157,15 +184,25 @@ class EngineLoop:
             if self._sinks.pop(cmd.request_id, None) is not None:  # nobody listens any more
                 engine.abort_request(cmd.request_id)
             return
+        if self.limits is not None:
+            load = engine.queue_load()
+            reason = refusal(self.limits, load, cmd.sampling_params.n, cmd.local_prompt_tokens())
+            if reason is not None:
+                cmd.accepted.set_exception(QueueFull(reason, load, self.limits))
+                return
         try:
             engine.add_request(cmd.prompt, cmd.sampling_params, cmd.request_id, cmd.kv_transfer_params)
         except Exception as e:  # noqa: BLE001 - ValueError is bad input; the caller maps the rest to 500
             cmd.accepted.set_exception(e)
             return
         self._sinks[cmd.request_id] = cmd.sink
+        if self.limits is not None:
+            self.load = engine.queue_load()  # before the caller hears it was queued: it counts from now on
         cmd.accepted.set_result(None)
 
     def _update_metrics(self, engine: Any) -> None:
+        if self.limits is not None:
+            self.load = engine.queue_load()
         self.metrics.update_engine(engine.metrics_snapshot())
         for stats in engine.take_kv_connector_stats():
             self.metrics.observe_connector_stats(stats)

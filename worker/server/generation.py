@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.outputs import TokenLogprobs
 from disagg.worker.engine.request_output import CompletionOutput, RequestOutput
 from disagg.worker.server.protocol import APIError, error_body, sse, usage
@@ -101,18 +102,12 @@ async def complete(loop_: Any, request: Request, job: Job) -> Response:
                 job.prompt_lps = out.prompt_logprobs
         return finals, last
 
-    task = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():  # the client went away
-        task.cancel()
+    answered, collected = await unless_disconnected(request, collect())
+    if not answered:  # the client went away
         loop_.abort(job.engine_id)
         logger.info("client disconnected; aborted %s", job.engine_id)
         return Response(status_code=499)
-    finals, out = task.result()
+    finals, out = collected
     if out is None or not out.finished:
         return JSONResponse(error_body(500, loop_.dead or "engine stopped", "internal_error"), status_code=500)
     if any(c.finish_reason == "error" for c in finals.values()):
@@ -128,13 +123,6 @@ async def complete(loop_: Any, request: Request, job: Job) -> Response:
         extra["prompt_logprobs"] = prompt_logprobs_json(job.tokenizer, job.prompt_ids, job.prompt_lps)
     return JSONResponse(body(job.kind, job.response_id, job.model, choices, **extra),
                         headers={"X-Request-Id": job.request_id})
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 @dataclass

@@ -18,6 +18,8 @@ from disagg.worker.kv_transfer.base import ConnectorMetric
 from disagg.worker.kv_transfer.factory import exported_connector_metrics
 
 LABELS = ("model_name", "role")
+# why a request was refused before the engine (server/admission.py, body_limit.py)
+REJECT_REASONS = ("waiting_requests", "waiting_prompt_tokens", "body_too_large", "body_timeout", "prompt_too_long")
 
 # seconds; vLLM's buckets for request latencies
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -100,6 +102,13 @@ class WorkerMetrics:
                                             "number of queried tokens.")
         self.prefix_cache_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of "
                                          "cached tokens.")
+        self._rejected = Counter(names.REQUESTS_REJECTED, "Requests refused before the engine, by reason: "
+                                 "the waiting queue full (waiting_requests, waiting_prompt_tokens: 429), "
+                                 "body_too_large (413), body_timeout (408), prompt_too_long (400).",
+                                 (*LABELS, "reason"), registry=r)
+        self._labels = labels
+        for reason in REJECT_REASONS:  # each reason reads 0 from the start (a rate() needs the series)
+            self._rejected.labels(*labels, reason)
         self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0, "pc_queries": 0, "pc_hits": 0}
         declared = exported_connector_metrics() if connector_metrics is None else connector_metrics
         self.connector = ConnectorMetrics(declared, r, labels)
@@ -136,6 +145,9 @@ class WorkerMetrics:
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
         self.e2e.observe(finished - arrival)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(*self._labels, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,8 @@ engine continues after it.
 
 Decode alone (no KV moved) when the header names no prefill endpoint of the pool, none gave KV, the request
 needs the prompt's logits, or (with a hand-off key) the prefill's hand-off is not signed for this resource; a
-prefill that rejects the request (4xx) answers the client itself.
+prefill that rejects the request (4xx) answers the client itself, and so does a 429 when every prefill endpoint
+of the pool is at capacity (router/capacity.py: shed, not computed here).
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ async def prefill_remotely(pd: RouterState, path: str, raw: bytes, target: str, 
             or needs_prompt_logits(body):
         return raw, None, False  # admission answers it (a hand-off given is checked as any other)
     outcome = await prefill_for(pd, target, path, body, {"X-Request-Id": request_id})
-    if isinstance(outcome, Reply):
-        return Response(outcome.content, status_code=outcome.status, media_type="application/json")
+    if isinstance(outcome, Reply):  # the prefill's rejection, or every prefill at capacity (429, Retry-After)
+        headers = {k: v for k, v in (outcome.headers or {}).items() if k.lower() == "retry-after"}
+        return Response(outcome.content, status_code=outcome.status, media_type="application/json",
+                        headers=headers or None)
     if outcome.handoff is None or not _signed_here(signer, outcome.handoff, request_id):
         return raw, None, False
     first = early_first_chunk(body, path, outcome.answer, outcome.handoff) if early_first_token else None

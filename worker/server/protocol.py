@@ -18,9 +18,11 @@ MAX_N = 16  # choices per request at most
 class APIError(Exception):
     """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.retry_after_s = retry_after_s  # a Retry-After header (429, 503), when set
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.type, self.param)

@@ -69,3 +69,22 @@ def test_contradicting_bounds_are_named():
     _, problems = check_spec(raw, "local")
     fields = {p.path for p in problems}
     assert {"spec.router.timeouts.idleSeconds", "spec.router.outlierDetection.maxEjectionSeconds"} <= fields
+
+
+def test_the_router_pod_outlives_its_drain_with_a_prestop_sleep_first():
+    """preStop sleep (the Service drops the pod meanwhile), then the router's own drain: /ready 503 for
+    --drain-delay, open requests for --drain-timeout, their error events; the grace period covers all of it (the
+    Kubernetes default of 30 s cut the router's 120 s drain with a SIGKILL)."""
+    from disagg.worker.router.draining import CUT_GRACE_S
+
+    spec = s.parse_spec(copy.deepcopy(BASE))
+    pod = m.build_router_deployment(OWNER, spec)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    p = __import__("argparse").ArgumentParser()
+    router_cli.add_arguments(p)
+    args = p.parse_args(container["args"][container["args"].index("router") + 1:])
+    assert pod["terminationGracePeriodSeconds"] > sleep + args.drain_delay + args.drain_timeout + CUT_GRACE_S
+    longer = s.parse_spec({**copy.deepcopy(BASE), "router": {"extraArgs": ["--drain-timeout", "600"]}})
+    assert m.build_router_deployment(OWNER, longer)["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] > sleep + args.drain_delay + 600 + CUT_GRACE_S

@@ -28,7 +28,8 @@ ROUTERS = {
     "bounds": {"timeouts": {"connectSeconds": 2, "firstByteSeconds": 30, "idleSeconds": 10, "requestSeconds": 90,
                             "unresponsiveSeconds": 0},
                "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40},
-               "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5}},
+               "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5},
+               "admission": {"queueWaitSeconds": 0.25, "maxRequestBodyBytes": 4096}},
     "extra-args": {"extraArgs": ["--log-level", "DEBUG", "--no-early-first-token"]},
     "auth-tls": {"auth": {"secretName": "client-keys"}, "tls": {"secretName": "router-tls"}},
 }
@@ -93,6 +94,8 @@ def test_every_router_command_parses_with_the_routers_parser(policy, engine, aut
         r.outlier_detection.max_ejection_seconds)
     assert (args.prefix_load_cost_tokens, args.prefix_skip_prefill_blocks) == (
         r.prefix_aware.load_cost_tokens, r.prefix_aware.skip_prefill_blocks)
+    assert (args.queue_wait, args.max_request_body_bytes) == (
+        r.admission.queue_wait_seconds, r.admission.max_request_body_bytes)
     assert args.log_level == ("DEBUG" if router == "extra-args" else "INFO")
     assert args.early_first_token is (router != "extra-args")
     if target == "kubernetes":

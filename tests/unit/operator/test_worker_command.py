@@ -23,6 +23,7 @@ from disagg.operator import spec as s
 from disagg.operator import validate
 from disagg.operator import naming
 from disagg.operator.plan import pod_model_dir
+from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
 from disagg.worker.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -155,6 +156,21 @@ def test_disagg_up_runs_the_same_command_with_local_placement(tmp_path):
     local_args = local.argv[local.argv.index("worker"):]
     assert flags(local_args) == flags(pod["args"])
     parse_like_the_pod(["disagg", *local_args], {})
+
+
+def test_the_roles_admission_reaches_the_workers_flags():
+    doc = document("nixl", "path", "valid", 1, False)
+    doc["spec"]["decode"]["admission"] = {"maxWaitingRequests": 3, "maxWaitingPromptTokens": 900,
+                                          "maxRequestBodyBytes": 2048}
+    assert validate.validate_document(doc) == []
+    env = {"POD_IP": "10.1.2.3", "POD_NAME": "p", "POD_NAMESPACE": "serving"}
+    got = {}
+    for name, c in pod_containers(doc):
+        args = parse_like_the_pod([*c["command"], *c["args"]], env)
+        if args.command == "worker":
+            got[args.role] = (args.max_waiting_requests, args.max_waiting_prompt_tokens, args.max_request_body_bytes)
+    # unset: the worker's own defaults (from its batch limits)
+    assert got == {"decode": (3, 900, 2048), "prefill": (None, None, DEFAULT_MAX_BODY_BYTES)}
 
 
 # ---------------------------------------------------------------- engine vllm

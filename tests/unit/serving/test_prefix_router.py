@@ -15,7 +15,7 @@ from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.prefix_policy import PrefixPolicyConfig
 from disagg.worker.router.prefix_router import PrefixRouter
-from disagg.worker.server.app import _prompt_token_ids
+from disagg.worker.server.admission import prompt_token_ids as _prompt_token_ids
 from disagg.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 
 TEXT = "the history of the city begins with a small harbour and a market where fishermen sold fish " * 4

@@ -10,11 +10,10 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from scripted_router import scripted_router
 
 from disagg.worker.router import outliers
-from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.outliers import Health, OutlierPolicy
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline, HopTimeout, HopTimeouts, within
@@ -65,16 +64,7 @@ class Workers:
 def router(prefill: dict[str, str], decode: dict[str, str], bounds: HopTimeouts = BOUNDS,
            policy: OutlierPolicy = OutlierPolicy(2, 5.0, 60.0)) -> tuple[httpx.AsyncClient, Workers, RouterState]:
     workers = Workers({**prefill, **decode})
-    pools = []
-    for role, urls in (("prefill", prefill), ("decode", decode)):
-        pool = EndpointPool(role, "round-robin", outlier_policy=policy)
-        pool.set_urls(list(urls))
-        for ep in pool.endpoints.values():
-            ep.ready = True
-        pools.append(pool)
-    state = RouterState(pools[0], pools[1], RouterMetrics("m"), timeouts=bounds)
-    state.client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(state)), base_url="http://router")
+    client, state = scripted_router(list(prefill), list(decode), workers, {"outlier_policy": policy}, timeouts=bounds)
     return client, workers, state
 
 

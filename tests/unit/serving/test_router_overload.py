@@ -1,0 +1,354 @@
+"""The router under overload, against scripted workers (httpx.MockTransport): a worker's 429 and a full hop pool
+are answered, never counted against the worker; a saturated endpoint is skipped until its Retry-After or until
+room is freed there; with every endpoint saturated the request waits briefly, then is shed with a 429 (before
+any prefill work when the decode pool is saturated); probes go out on their own client; a client that leaves
+cancels the hop; background tasks are restarted and /health says so while one is down; the drain's timeout ends
+open streams with an error event."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from scripted_router import scripted_router
+
+from disagg.worker.router.app import answered, route
+from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.probes import probe_once
+from disagg.worker.router.replies import Reply
+from disagg.worker.router.state import RouterState
+from disagg.worker.router.supervision import Supervisor
+
+KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
+      "remote_port": 1, "remote_request_id": "r"}
+P1, P2, D1, D2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
+BODY = {"prompt": "x", "max_tokens": 4}
+
+
+class Stalled(httpx.AsyncByteStream):
+    """A stream that sends one chunk and then nothing; closed meanwhile, its read fails (as a real connection's)."""
+
+    def __init__(self):
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"text":"a"}]}\n\n'
+        await self.closed.wait()
+        raise httpx.ReadError("closed")
+
+    async def aclose(self):
+        self.closed.set()
+
+
+class Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            yield c
+
+
+class Workers:
+    """url -> 'ok' | '429' | 'pool' (the hop pool is full) | 'stall' (a stream that stops after one chunk)."""
+
+    def __init__(self, behaviour: dict[str, str]):
+        self.behaviour = behaviour
+        self.seen: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        self.seen.append(base)
+        mode = self.behaviour[base]
+        if mode == "pool":
+            raise httpx.PoolTimeout("no connection in the pool", request=request)
+        if mode == "429":
+            return httpx.Response(429, headers={"Retry-After": "2"},
+                                  json={"error": {"message": "full", "code": 429}})
+        body = json.loads(request.content)
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
+        if mode == "stall":
+            return httpx.Response(200, stream=Stalled(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+
+def router(prefill: dict[str, str], decode: dict[str, str], queue_wait_s: float = 0.2):
+    workers = Workers({**prefill, **decode})
+    client, state = scripted_router(list(prefill), list(decode), workers, queue_wait_s=queue_wait_s)
+    return client, workers, state
+
+
+def untouched(state: RouterState, url: str, role: str = "decode") -> bool:
+    """Ready, no failure counted, never ejected: a 429 or a full pool is no verdict on the worker."""
+    ep = getattr(state, role).endpoints[url]
+    return ep.ready and ep.health.failures == 0 and ep.health.ejections == 0
+
+
+def metric(state: RouterState, name: str, **labels: str) -> float:
+    return state.metrics.registry.get_sample_value(name, {"model_name": "m", "role": "router", **labels}) or 0.0
+
+
+# ---------------------------------------------------------------- the pure part: saturation and credits
+def test_a_saturated_endpoint_is_skipped_until_its_retry_after_or_until_room_is_freed_there():
+    now = [100.0]
+    pool = EndpointPool("decode", "round-robin", clock=lambda: now[0])
+    pool.set_urls([D1, D2])
+    for ep in pool.endpoints.values():
+        ep.ready = True
+    d1, d2 = pool.endpoints[D1], pool.endpoints[D2]
+    pool.mark_saturated(d1, 2.0)
+    assert {pool.pick().url for _ in range(4)} == {D2} and not pool.saturated_only()
+    pool.mark_saturated(d2, 1.0)
+    assert pool.pick() is None and pool.saturated_only() and pool.saturation_ends_in() == 1.0
+    d1.outstanding = 1
+    assert pool.released(d1) and d1.outstanding == 0  # a request of ours finished there: room for one
+    assert pool.pick() is d1 and pool.pick() is None  # the credit is spent
+    now[0] += 2.5
+    assert not pool.saturated_only() and pool.pick() is not None
+    assert not pool.released(d2)  # not saturated any more: no credit
+
+
+# ---------------------------------------------------------------- 429s
+@pytest.mark.asyncio
+async def test_a_decode_429_moves_the_request_to_another_decode_and_is_no_failure():
+    client, workers, state = router({P1: "ok"}, {D1: "429", D2: "ok"})
+    for _ in range(3):
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    assert workers.seen.count(D1) == 1  # skipped while saturated
+    assert untouched(state, D1) and metric(state, "disagg:router_worker_saturated_total", hop="decode") == 1
+
+
+@pytest.mark.asyncio
+async def test_every_decode_saturated_sheds_with_retry_after_and_costs_no_prefill():
+    client, workers, state = router({P1: "ok"}, {D1: "429", D2: "429"})
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["retry-after"]) <= 2
+    prefills = workers.seen.count(P1)
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})  # both still saturated
+    assert r.status_code == 429 and r.headers["retry-after"]
+    assert workers.seen.count(P1) == prefills, "a request shed for want of a decode costs no prefill hop"
+    assert untouched(state, D1) and untouched(state, D2)
+    assert metric(state, "disagg:router_requests_total", outcome="shed") == 2
+
+
+@pytest.mark.asyncio
+async def test_a_request_waiting_for_room_takes_the_room_a_finished_request_frees():
+    client, workers, state = router({}, {D1: "ok"}, queue_wait_s=5.0)
+    d1 = state.decode.endpoints[D1]
+    state.decode.mark_saturated(d1, 30.0)
+    d1.outstanding = 1  # one request of ours is running there
+    waiting = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and state.room(state.decode).waiting == 1
+    from disagg.worker.router.capacity import released
+    released(state, state.decode, d1)  # it finished: the waiter goes
+    r = await asyncio.wait_for(waiting, 5)
+    assert r.status_code == 200 and workers.seen == [D1]
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_200_was_sent_is_never_shed_and_takes_the_first_room_freed():
+    """The early first token sent the 200 before the decode hop: shedding it then would cut a started answer."""
+    from disagg.worker.router.capacity import Shed, next_endpoint, released
+    from disagg.worker.router.policy import RoutePlan
+    from disagg.worker.router.timeouts import Deadline
+
+    _, _, state = router({}, {D1: "ok"}, queue_wait_s=0.3)
+    d1 = state.decode.endpoints[D1]
+    state.decode.mark_saturated(d1, 30.0)
+    d1.outstanding = 2
+
+    def pick():
+        return state.pick_decode(RoutePlan(), set(), None)
+
+    def waiter(committed: bool) -> asyncio.Future:
+        return asyncio.ensure_future(next_endpoint(state, state.decode, pick, set(), Deadline(state.timeouts),
+                                                   committed=committed))
+
+    newcomer, committed = waiter(False), waiter(True)
+    await asyncio.sleep(0.5)  # past the queue wait
+    assert isinstance(newcomer.result(), Shed) and not committed.done()
+    later, committed_later = waiter(False), waiter(True)
+    await asyncio.sleep(0.05)
+    released(state, state.decode, d1)  # room for one: the committed requests take it first, in arrival order
+    assert await asyncio.wait_for(committed, 1) is d1 and not committed_later.done() and not later.done()
+    released(state, state.decode, d1)
+    assert await asyncio.wait_for(committed_later, 1) is d1 and not later.done()
+    assert isinstance(await asyncio.wait_for(later, 5), Shed)
+
+
+@pytest.mark.asyncio
+async def test_while_a_started_answer_waits_for_a_decode_new_requests_get_no_room_and_no_prefill():
+    """The early first token sent the 200; the decode answers 429: that request waits for room, and a request
+    arriving meanwhile is shed at the door (no prefill) even once the decode has room - the room is the started
+    answer's."""
+    client, _, state = router({P1: "ok"}, {D1: "ok"}, queue_wait_s=0.3)
+    asked = []
+    decode_full = True
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "p1":
+            return httpx.Response(200, json={"id": "cmpl-1", "model": "m", "created": 1, "choices": [{"text": " x"}],
+                                             "kv_transfer_params": {**KV, "output_token_ids": [7]}})
+        if decode_full:
+            return httpx.Response(429, headers={"Retry-After": "30"}, json={"error": {"message": "full"}})
+        return httpx.Response(200, stream=Chunks([b'data: {"choices":[{"text":" y"}]}\n\n', b"data: [DONE]\n\n"]),
+                              headers={"content-type": "text/event-stream"})
+
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    started = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": True}))
+    while state.room(state.decode).committed_in_line == 0:
+        await asyncio.sleep(0.01)
+    assert asked == ["p1", "d1"]
+    d1 = state.decode.endpoints[D1]
+    d1.credits = 1  # room at D1 (as a request of ours finishing there gives), taken by no newcomer:
+    late = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": True}), 5)
+    assert late.status_code == 429 and late.headers["retry-after"] and asked == ["p1", "d1"]
+    decode_full = False
+    state.room(state.decode).notify(1)
+    r = await asyncio.wait_for(started, 5)
+    assert r.status_code == 200 and '" x"' in r.text and '" y"' in r.text and "error" not in r.text
+    assert asked == ["p1", "d1", "d1"] and state.room(state.decode).committed_in_line == 0
+
+
+@pytest.mark.asyncio
+async def test_every_prefill_saturated_sheds_rather_than_decoding_alone():
+    client, workers, state = router({P1: "429", P2: "429"}, {D1: "ok"})
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 429 and r.headers["retry-after"] and D1 not in workers.seen
+    assert untouched(state, P1, "prefill") and untouched(state, P2, "prefill")
+    client, workers, state = router({P1: "429", P2: "ok"}, {D1: "ok"})
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and workers.seen[-2:] == [P2, D1]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("full", ["prefill", "decode"])
+async def test_a_full_hop_pool_is_a_503_with_retry_after_and_no_verdict_on_the_worker(full):
+    client, workers, state = router({P1: "pool" if full == "prefill" else "ok"},
+                                    {D1: "pool" if full == "decode" else "ok"})
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "all in use" in r.json()["error"]["message"]
+    assert untouched(state, P1, "prefill") and untouched(state, D1)
+    assert metric(state, "disagg:router_requests_total", outcome="busy") == 1
+
+
+# ---------------------------------------------------------------- probes on their own client
+@pytest.mark.asyncio
+async def test_probes_go_out_on_their_own_client_even_when_the_hop_pool_is_full():
+    _, _, state = router({}, {D1: "pool"})
+    asked = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, text="vllm:num_requests_running{} 3\n")
+
+    state.probe_client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    await probe_once(state)
+    assert "/ready" in asked and state.decode.endpoints[D1].ready
+
+
+# ---------------------------------------------------------------- a client that leaves
+class StayingClient:
+    """A request (the parts the router reads) whose client stays."""
+
+    def __init__(self, body: dict):
+        self.headers, self._body = {}, json.dumps(body).encode()
+
+    async def body(self) -> bytes:
+        return self._body
+
+    async def receive(self):
+        await asyncio.sleep(3600)
+
+
+class LeavingClient:
+    """A request whose client disconnects after `after_s`."""
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+
+    async def receive(self):
+        await asyncio.sleep(self.after_s)
+        return {"type": "http.disconnect"}
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_cancels_the_hop_it_waits_on():
+    _, _, state = router({}, {D1: "ok"})
+    cancelled = asyncio.Event()
+
+    async def hop() -> Reply:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    reply = await asyncio.wait_for(answered(state, LeavingClient(0.1), hop()), 5)
+    assert reply.status == 499 and cancelled.is_set()
+    assert metric(state, "disagg:router_requests_total", outcome="client_gone") == 1
+
+
+# ---------------------------------------------------------------- background tasks
+@pytest.mark.asyncio
+async def test_a_background_task_that_dies_is_restarted_counted_and_health_says_so_meanwhile():
+    client, _, state = router({}, {D1: "ok"})
+    runs = []
+
+    async def flaky() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError("lost the API server")
+        await asyncio.sleep(3600)
+
+    supervisor = Supervisor(state.metrics, state.down)
+    supervisor.start("discovery", flaky)
+    await asyncio.sleep(0.1)
+    r = await client.get("/health")
+    assert r.status_code == 503 and "lost the API server" in r.json()["down"]["discovery"]
+    await asyncio.sleep(0.6)  # the first backoff
+    assert len(runs) == 2 and (await client.get("/health")).status_code == 200
+    assert metric(state, "disagg:router_task_restarts_total", task="discovery") == 1
+    await supervisor.stop()
+
+
+# ---------------------------------------------------------------- draining
+@pytest.mark.asyncio
+async def test_draining_turns_ready_503_and_the_drain_timeout_ends_open_streams_with_an_error_event():
+    client, _, state = router({}, {D1: "stall"})
+    assert (await client.get("/ready")).status_code == 200
+    state.drain.draining = True
+    r = await client.get("/ready")
+    assert r.status_code == 503 and r.json()["reason"] == "draining"
+    reply = await route(state, StayingClient({**BODY, "stream": True}), "/v1/completions")
+    chunks = reply.stream
+    assert (await chunks.__anext__()).startswith(b"data: {")
+    state.drain.cut()
+    rest = [e for chunk in [c async for c in chunks] for e in chunk.decode().split("\n\n") if e]
+    error = json.loads(rest[0].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "drain timeout" in error["message"] and rest[-1] == "data: [DONE]"
+    assert untouched(state, D1) and not state.drain.streams
+
+
+# ---------------------------------------------------------------- the endpoint picker
+@pytest.mark.asyncio
+async def test_the_picker_learns_a_429_from_the_response_and_answers_429_when_every_decode_is_saturated():
+    from disagg.worker.gateway.ext_proc import PickRequest
+    from disagg.worker.gateway.picker import RoutingPicker
+
+    _, _, state = router({}, {D1: "ok"}, queue_wait_s=0.1)
+    picker = RoutingPicker(state)
+    request = PickRequest("POST", "/v1/completions", {}, json.dumps(BODY).encode())
+    pick = await picker.pick(request)
+    assert pick.status == 200 and pick.decode == "d1:1"
+    picker.answered(pick, 429, "3")  # the worker's answer, passed on by the gateway
+    picker.done(pick)
+    assert untouched(state, D1) and state.decode.endpoints[D1].outstanding == 0
+    refused = await picker.pick(request)
+    assert refused.status == 429 and refused.retry_after_s == 3 and "capacity" in refused.message

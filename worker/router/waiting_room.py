@@ -1,0 +1,49 @@
+"""The requests waiting for room at a pool whose every endpoint is saturated (capacity.py), with its bounds."""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+DEFAULT_QUEUE_WAIT_S = 0.5  # a short wait: what a client waits more than that for is better told to come back
+DEFAULT_MAX_QUEUED = 1000
+
+
+@dataclass
+class WaitingRoom:
+    """The requests waiting for room in one pool, woken in arrival order - those whose client has its 200 already
+    (committed: the early first token was sent) before the others."""
+    queue_wait_s: float = DEFAULT_QUEUE_WAIT_S
+    max_queued: int = DEFAULT_MAX_QUEUED
+    committed_in_line: int = 0  # committed requests waiting for room here (capacity.py): none other takes it
+    _committed: deque = field(default_factory=deque)  # of asyncio.Future, oldest first
+    _waiters: deque = field(default_factory=deque)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._committed) + len(self._waiters)
+
+    def notify(self, n: int = 1) -> None:
+        """Room for n requests: wake the first n waiters (each picks again)."""
+        for queue in (self._committed, self._waiters):
+            while n > 0 and queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    n -= 1
+
+    def notify_all(self) -> None:
+        self.notify(self.waiting)
+
+    async def wait(self, timeout_s: float, committed: bool = False) -> None:
+        """Until notified or `timeout_s` passed."""
+        waiter = asyncio.get_running_loop().create_future()
+        queue = self._committed if committed else self._waiters
+        queue.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in queue:
+                queue.remove(waiter)
