@@ -9,53 +9,32 @@ router): tests/security/test_client_keys.py covers the router's keys, tests/clus
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from serving_helpers import NIXL_MISSING, metric, nixl_available
-from waiting import wait_for
 
-from disagg.worker.ports import free_port
 from hostile import assert_refused, pointing_at, stranger
-from security_helpers import complete, kv_params
+from security_helpers import REPO, complete, disagg_up, kv_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)]
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 4  # short: the expired case waits one out
 RESOURCE = "local/local"  # the run's name (examples/local.yaml's metadata.name), as `disagg up` signs for it
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    from serving_fleet import CLI
-
     tmp = tmp_path_factory.mktemp("up-hostile")
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     doc["spec"]["kvTransfer"]["leaseSeconds"] = LEASE_S
     doc["spec"]["decode"]["replicas"] = 1
-    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
-    port = free_port()
-    out = (tmp / "up.out").open("w")
-    launcher = subprocess.Popen([*CLI, "up", "-f", str(tmp / "spec.yaml"), "--port", str(port), "--log-dir",
-                                 str(tmp / "logs"), "--worker-arg=--num-kv-blocks=128"], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=REPO)
-    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
-    try:
-        wait_for(lambda: "  -> " in text() or launcher.poll() is not None, 180, "disagg up to serve", 0.1)
-        assert launcher.poll() is None, text()
+    with disagg_up(tmp, doc) as (port, text):
         assert "hand-offs: signed with a key made for this run" in text()
         urls = dict(re.findall(r"(\S+)\s+ready\s+(http://\S+)", text()))
         yield {"router": f"http://127.0.0.1:{port}", "prefill": urls["prefill-0"], "decode": urls["decode-0"]}
-    finally:
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(60) == 0
-        out.close()
 
 
 def prompt(n: int) -> list[int]:
