@@ -21,7 +21,7 @@ from security_helpers import REPO, complete, disagg_up, kv_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)]
 
-LEASE_S = 4  # short: the expired case waits one out
+LEASE_S = 6  # short: the expired case waits one out (long enough for a loaded machine to read within it)
 RESOURCE = "local/local"  # the run's name (examples/local.yaml's metadata.name), as `disagg up` signs for it
 
 
