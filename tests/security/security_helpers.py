@@ -1,12 +1,22 @@
 """What the hostile-input tests send: completions, a prefill worker's hand-off, and a NIXL agent of their own."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
+from waiting import wait_for
+
+from disagg.worker.ports import free_port
 
 MODEL = "tiny-llama"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def complete(url: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
@@ -20,6 +30,30 @@ def kv_params(prefill: str, prompt_ids: list[int]) -> dict[str, Any]:
     params = r.json()["kv_transfer_params"]
     assert params["disagg_signature"].startswith("v1:"), params  # a worker with a key signs what it hands out
     return params
+
+
+@contextlib.contextmanager
+def disagg_up(tmp: Path, doc: dict[str, Any], *flags: str) -> Iterator[tuple[int, Callable[[], str]]]:
+    """`disagg up -f` the spec `doc` with `flags`, until it serves and has answered its own first request: yields
+    the router's port and a reader of its output; SIGTERM after, which must end it cleanly."""
+    from serving_fleet import CLI
+
+    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
+    port = free_port()
+    out = (tmp / "up.out").open("w")
+    launcher = subprocess.Popen([*CLI, "up", "-f", str(tmp / "spec.yaml"), "--port", str(port), *flags, "--log-dir",
+                                 str(tmp / "logs"), "--worker-arg=--num-kv-blocks=128"], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
+    try:
+        # serving, and the launcher's own first request answered ("  -> ...")
+        wait_for(lambda: "  -> " in text() or launcher.poll() is not None, 180, "disagg up to serve", 0.1)
+        assert launcher.poll() is None, text()
+        yield port, text
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+        out.close()
 
 
 class StrangerAgent:

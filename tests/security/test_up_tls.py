@@ -4,48 +4,26 @@ request to the router's port is refused without taking it down."""
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from waiting import wait_for
 
 from disagg.worker.local.self_signed import client_context
-from disagg.worker.ports import free_port
-from security_helpers import MODEL
+from security_helpers import MODEL, REPO, disagg_up
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    from serving_fleet import CLI
-
     tmp = tmp_path_factory.mktemp("up-tls")
     doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     doc["spec"]["kvTransfer"]["connector"] = "SharedStorageConnector"  # no NIXL needed to show TLS
     doc["spec"]["decode"]["replicas"] = 1
-    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
-    port = free_port()
-    out = (tmp / "up.out").open("w")
-    launcher = subprocess.Popen([*CLI, "up", "-f", str(tmp / "spec.yaml"), "--port", str(port), "--tls", "--log-dir",
-                                 str(tmp / "logs"), "--worker-arg=--num-kv-blocks=128"], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=REPO)
-    text = lambda: (tmp / "up.out").read_text()  # noqa: E731
-    try:
-        # serving, and the launcher's own first request answered ("  -> ...")
-        wait_for(lambda: "  -> " in text() or launcher.poll() is not None, 180, "disagg up --tls to serve", 0.1)
-        assert launcher.poll() is None, text()
+    with disagg_up(tmp, doc, "--tls") as (port, text):
         yield {"url": f"https://127.0.0.1:{port}", "output": text, "logs": tmp / "logs"}
-    finally:
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(60) == 0
-        out.close()
 
 
 def test_the_router_serves_https_with_the_runs_certificate(up):
