@@ -65,7 +65,9 @@ def test_dashboard_queries_name_only_exported_metrics_and_defined_variables(rend
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:nixl_xfer_time_seconds_bucket",
                  "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_descriptors_sum",
                  "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
-                 "disagg:kv_pending_sends", "disagg:kv_pending_loads", "disagg:router_hop_latency_seconds_bucket",
+                 "disagg:router_kv_pending_sends", "disagg:router_kv_pending_loads",
+                 "disagg:router_kv_oldest_pending_send_seconds", "disagg:router_handoff_to_first_token_seconds_bucket",
+                 "disagg:router_hop_latency_seconds_bucket",
                  "disagg:router_decode_alone_total", "disagg_operator_desired_replicas",
                  "disagg_operator_scaling_decisions_total"):
         assert name in used, f"no panel shows {name}"
