@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 import waiting
-from vllm_env import ALONE_ENV, ENGINE_ENV, disagg_up
+from vllm_env import ALONE_ENV, disagg_up
+from vllm_fleet import ENGINE_ARGS, STARTUP_S, pd_spec
 
 from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
 
@@ -22,21 +23,15 @@ MODEL = "tiny-vllm"
 PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
 KINDS = ("completion", "chat")
-STARTUP_S = 400  # two or three vLLM processes starting on two cores
 wait_for = functools.partial(waiting.wait_for, interval=0.5)
-ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
 
 
 def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> dict:
-    env = [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]
+    spec = pd_spec(model_dir, MODEL)
+    spec["prefill"]["terminationGracePeriodSeconds"] = grace_s
+    spec["decode"].update(replicas=decode_replicas, terminationGracePeriodSeconds=grace_s)
     return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": "vllm-up"},
-            "spec": {"engine": "vllm", "engineArgs": ENGINE_ARGS,
-                     "model": {"servedName": MODEL, "source": {"path": model_dir}, "dtype": "float32",
-                               "maxModelLen": 512},
-                     "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 60},
-                     "prefill": {"replicas": 1, "env": env, "terminationGracePeriodSeconds": grace_s},
-                     "decode": {"replicas": decode_replicas, "env": env, "terminationGracePeriodSeconds": grace_s},
-                     "router": {"policy": "least-loaded"}}}
+            "spec": spec}
 
 
 def generate(url: str, kind: str, stream: bool, max_tokens: int = 12) -> str:
