@@ -20,6 +20,7 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from helm_cli import run_helm, template  # tests/ is on sys.path (tests/conftest.py)
+from prometheus_cli import sanitized
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -255,7 +256,7 @@ def test_worker_pod_monitor_labels_every_series_with_the_pods_role_and_resource(
                   "--set-json", f"monitoring.workers.podMonitor.relabelings=[{json.dumps(extra)}]")
     (pm,) = by_kind(docs, "PodMonitor")
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
-    meta = lambda label: "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)  # noqa: E731
+    meta = lambda label: "__meta_kubernetes_pod_label_" + sanitized(label)  # noqa: E731
     assert endpoint["relabelings"] == [{"sourceLabels": [meta(naming.LABEL_COMPONENT)], "targetLabel": "role"},
                                        {"sourceLabels": [meta(naming.LABEL_INSTANCE)], "targetLabel": "resource"},
                                        extra]
