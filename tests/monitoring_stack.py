@@ -65,7 +65,11 @@ def worker_processes(engine: str, model_dir: str, model: str, work: Path,
     """role -> the prefill's and the decode's process: engine vllm as `disagg up` plans it (`vllm serve`, NIXL,
     a core each), engine disagg as `disagg worker` with `disagg_flags` (NIXL where it is installed)."""
     if engine == "vllm":
-        spec = s.parse_spec(pd_spec(model_dir, model))
+        spec = pd_spec(model_dir, model)
+        for role in ("prefill", "decode"):
+            # 64 blocks (8192 tokens), not 1 GiB: registering a GiB with NIXL took minutes on a busy 2-core box
+            spec[role]["extraArgs"] = ["--num-gpu-blocks-override", "64"]
+        spec = s.parse_spec(spec)
         return {role: worker_spec(spec, role, 0, model_dir, "127.0.0.1", free_port, str(work / "kv"), [],
                                   vllm_executable()) for role in ("prefill", "decode")}
     connector = ["--kv-connector", "NixlConnector", "--kv-side-channel-host", "127.0.0.1"] if nixl_available() \

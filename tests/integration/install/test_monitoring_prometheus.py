@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -89,16 +90,7 @@ def stack(request, tiny_model_dir, tmp_path_factory):
         procs += [LocalProcess(spec, work) for spec in workers.values()]
         start_ready(procs, STARTUP_S if engine == "vllm" else 120)
         pods = {spec.url: f"{RESOURCE}-{role}-0" for role, spec in workers.items()}
-        endpoints = work / "endpoints.json"
-        write_endpoints(endpoints, [workers["prefill"].url], [workers["decode"].url], names=pods)
-        routers = []
-        for name, where in (("router", ["--discovery", "file", "--endpoints-file", str(endpoints),
-                                        "--probe-interval", "0.5"]),
-                            ("router-fallback", ["--prefill", crashing.url, "--decode", workers["decode"].url,
-                                                 "--probe-interval", "3600"])):
-            port = free_port()
-            routers.append(LocalProcess(ProcessSpec(name, [*CLI, "router", "--host", "127.0.0.1", "--port",
-                                                           str(port), *where], f"http://127.0.0.1:{port}"), work))
+        routers = _routers(workers, pods, crashing, work)
         procs += routers
         start_ready(routers, 120)
         for router in routers:
@@ -106,20 +98,12 @@ def stack(request, tiny_model_dir, tmp_path_factory):
                      f"{router.spec.name} to see its prefill ready", interval=0.2)
         crashing.crash()  # the fallback router learns of it from its next request only
         labels = operator_pod_labels(NS, RESOURCE)
-        targets = [DiscoveredPod(url.removeprefix("http://"), NS, pods[url], labels[role])
-                   for role, url in ((r, w.url) for r, w in workers.items())]
+        targets = [DiscoveredPod(w.url.removeprefix("http://"), NS, pods[w.url], labels[role])
+                   for role, w in workers.items()]
         targets += [DiscoveredPod(p.spec.url.removeprefix("http://"), NS, f"{RESOURCE}-router-{i}", labels["router"])
                     for i, p in enumerate(routers)]
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [
-                pod_monitor_scrape_config(monitor, targets),
-                {"job_name": "disagg-operator", "honor_labels": True,  # as the chart's operator PodMonitor
-                 "static_configs": [{"targets": [f"127.0.0.1:{op_port}"],
-                                     "labels": {"namespace": "disagg-system", "pod": "disagg-operator-0"}}]},
-            ],
-        }
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(rules)],
+                  "scrape_configs": [pod_monitor_scrape_config(monitor, targets), _operator_job(op_port)]}
         prom = PrometheusServer(config, work, free_port())
         wait_for(prom.ready, 30, "prometheus ready", interval=0.2)
         stack = Stack(engine, prom, load_dashboard(cm), rule)
@@ -135,6 +119,30 @@ def stack(request, tiny_model_dir, tmp_path_factory):
         httpd.shutdown()
         httpd.server_close()
     assert codes == {p.spec.name: 0 for p in procs}, "\n".join(p.log_tail(30) for p in procs)
+
+
+def _routers(workers: dict[str, ProcessSpec], pods: dict[str, str], crashing: CrashingPrefill,
+             work: Path) -> list[LocalProcess]:
+    """The P/D router (following an endpoints file that names the workers' pods, as Kubernetes discovery does),
+    and one whose only prefill endpoint is `crashing`."""
+    endpoints = work / "endpoints.json"
+    write_endpoints(endpoints, [workers["prefill"].url], [workers["decode"].url], names=pods)
+    routers = []
+    for name, where in (("router", ["--discovery", "file", "--endpoints-file", str(endpoints),
+                                    "--probe-interval", "0.5"]),
+                        ("router-fallback", ["--prefill", crashing.url, "--decode", workers["decode"].url,
+                                             "--probe-interval", "3600"])):
+        port = free_port()
+        routers.append(LocalProcess(ProcessSpec(name, [*CLI, "router", "--host", "127.0.0.1", "--port", str(port),
+                                                       *where], f"http://127.0.0.1:{port}"), work))
+    return routers
+
+
+def _operator_job(port: int) -> dict[str, Any]:
+    """The operator's metrics as its PodMonitor scrapes them (honorLabels: the series' own namespace wins)."""
+    return {"job_name": "disagg-operator", "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
+                                "labels": {"namespace": "disagg-system", "pod": "disagg-operator-0"}}]}
 
 
 def _complete(router: str, n: int, stream: bool) -> None:
