@@ -14,7 +14,10 @@ from pydantic import ValidationError
 
 from disagg.operator import spec as s
 from disagg.operator.naming import MAX_NAME_LENGTH
-from disagg.operator.placement import MODELS_DIR, kubernetes_placement
+from disagg.operator.epp_command import build_epp_command
+from disagg.operator.placement import (
+    MODELS_DIR, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool,
+)
 from disagg.operator.worker_command import ROLES, build_worker_command, owned_flags
 from disagg.worker.kv_transfer.connectors import connector_problem, declaration_of
 from disagg.worker.server.args import parse_worker_args
@@ -69,7 +72,7 @@ def semantic_problems(spec: s.DisaggregatedInferenceSpec, target: Target) -> lis
     if lo and hi and lo.prefill * hi.decode > hi.prefill * lo.decode:  # lo.p/lo.d > hi.p/hi.d without floats
         problems.append(Problem("spec.autoscaling.prefillDecodeRatio",
                                 f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
-    problems += _router_problems(spec.router)
+    problems += _router_problems(spec.router) + _gateway_problems(spec)
     if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
         problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))
     rdma = spec.kv_transfer.rdma
@@ -112,6 +115,20 @@ def _router_problems(r: s.RouterSpec) -> list[Problem]:
         out.append(Problem("spec.router.outlierDetection.maxEjectionSeconds",
                            f"{o.max_ejection_seconds} is below baseEjectionSeconds {o.base_ejection_seconds}"))
     return out
+
+
+def _gateway_problems(spec: s.DisaggregatedInferenceSpec) -> list[Problem]:
+    g = spec.gateway
+    if not g.enabled:
+        return [Problem("spec.gateway.httpRoute", "is set but gateway.enabled is false: nothing would serve it")
+                ] if g.http_route is not None else []
+    # `disagg epp`'s parser is not importable in the operator image (no uvicorn); the contract test parses it
+    extra = g.endpoint_picker.extra_args
+    argv = build_epp_command(spec, kubernetes_epp_placement(namespace="ns", instance="x"))
+    owned = {a for a in argv[:len(argv) - len(extra)] if a.startswith("--")}
+    return [Problem("spec.gateway.endpointPicker.extraArgs", f"{flag} is set by the operator from the spec; "
+                    "change the spec field instead")
+            for flag in dict.fromkeys(a.split("=", 1)[0] for a in g.endpoint_picker.extra_args) if flag in owned]
 
 
 def _model_problems(spec: s.DisaggregatedInferenceSpec) -> list[Problem]:
@@ -175,9 +192,11 @@ def name_problems(name: str) -> list[Problem]:
 def command_problems(spec: s.DisaggregatedInferenceSpec) -> list[Problem]:
     """Parse each role's command as the worker would (a pod's placement; the model directory a placeholder, so
     `disagg up`'s specs are parsed too)."""
-    placement = kubernetes_placement(model_dir=MODELS_DIR, shared_storage=True)
     problems = []
     for role in ROLES:
+        pool = kubernetes_prefill_pool(namespace="ns", instance="x") if spec.gateway.enabled else None
+        placement = kubernetes_placement(model_dir=MODELS_DIR, shared_storage=True, engine=spec.engine,
+                                         prefill_pool=pool)
         try:
             owned = owned_flags(spec, role, placement)
             argv = build_worker_command(spec, role, placement).argv

@@ -96,8 +96,14 @@ def _reconcile_locked(body: kopf.Body, memo: kopf.Memo, retry: int, logger: logg
         return None
     if result.children_written:
         logger.info("wrote %s", ", ".join(result.children_written))
+    if result.children_removed:
+        logger.info("removed %s (no longer in the spec)", ", ".join(result.children_removed))
     if result.problems and result.status_written:  # first time seen for this generation: one Event
         kopf.warn(body, reason="InvalidSpec", message="; ".join(str(p) for p in result.problems))
+    if result.conflicts and result.status_written:  # on the change of status that reports it: not every pass
+        for c in result.conflicts:
+            kopf.warn(body, reason="ChildOwnedElsewhere",
+                      message=f"{c}: not adopted; delete it or rename this resource")
     _report_reverted(body, result.replicas_reverted)
     return result
 

@@ -31,6 +31,10 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "DisaggregatedInference": "disaggregatedinferences",
     "Pod": "pods",  # the autoscaler lists worker pods and marks the one to remove (pod-deletion-cost)
+    "Secret": "secrets",  # the signed hand-off's key (created once)
+    "NetworkPolicy": "networkpolicies",
+    "InferencePool": "inferencepools",  # inference.networking.k8s.io (spec.gateway)
+    "HTTPRoute": "httproutes",  # gateway.networking.k8s.io (spec.gateway.httpRoute)
 }
 TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}  # 409: a concurrent writer; the next pass re-reads
 TOKEN_REFRESH_SECONDS = 60.0  # as the kubernetes package's in-cluster loader
@@ -173,3 +177,12 @@ class KubeClient:
               subresource: str | None = None) -> dict[str, Any]:
         path = object_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return self._call("PATCH", path, patch, "application/merge-patch+json")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Gone already is fine; the object's dependents (a Deployment's ReplicaSets) are collected after it."""
+        try:
+            self._call("DELETE", object_path(api_version, kind, namespace, name),
+                       {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        except ApiError as e:
+            if e.status != 404:
+                raise

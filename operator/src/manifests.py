@@ -3,38 +3,45 @@
 Children of a resource named N in namespace NS:
   Deployment N-prefill, N-decode, N-router; Service N (router, the endpoint);
   headless Services N-prefill, N-decode (pod discovery + the NIXL side channel);
-  ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers).
+  ServiceAccount/Role/RoleBinding N-router (the router lists and watches pods to discover workers);
+  with spec.gateway: the InferencePool, the endpoint picker, the HTTPRoute (gateway_manifests.py) and
+    ServiceAccount/Role/RoleBinding N-worker (decode pods list the prefill pods their own hop may go to);
+  NetworkPolicies N-prefill, N-decode, N-router (N-epp) unless turned off (network_policy.py);
+  the Secret N-handoff is created once by reconcile (handoff_key.py), not here: its key is random.
+Engine vllm: each worker pod runs vLLM on its loopback and `disagg pd-proxy` in front of it (the pod's HTTP
+port and probes).
 
-Somewhat over 300 lines: every child of one resource is built here so their shared labels, volumes and security
-context stay consistent; the commands in them come from plan.py (the API `disagg up` plans its processes with).
+The worker pods' shared volumes and containers are built here; what every child shares is in pod_parts.py; the
+commands come from plan.py (the API `disagg up` plans its processes with).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from disagg.operator import spec as s
+from disagg.operator.gateway_manifests import gateway_children
+from disagg.operator.handoff_key import handoff_env
 from disagg.operator.naming import (
-    ANNOTATION_CONFIG_HASH, HTTP_PORT, KV_EVENTS_PORTS, LABEL_REVISION, SIDE_CHANNEL_PORT, Component, child_name,
-    common_labels, selector_labels, stable_hash,
+    HTTP_PORT, KV_EVENTS_PORTS, LABEL_REVISION, SIDE_CHANNEL_PORT, child_name, common_labels, selector_labels,
+    stable_hash,
 )
-from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR
-from disagg.operator.plan import Role, pod_fetch_command, pod_router_command, pod_worker_command
+from disagg.operator.network_policy import build_network_policies
+from disagg.operator.placement import CACHE_DIR, MODELS_DIR, SHARED_STORAGE_DIR, TLS_DIR
+from disagg.operator.plan import (
+    Role, pod_fetch_command, pod_pd_proxy_command, pod_router_command, pod_worker_command,
+)
+from disagg.operator.pod_parts import (
+    TMP_DIR, Owner, client_key_env, container_security_context, downward_env, http_probe, metadata, pod_reader_rbac,
+    pod_security_context, pod_template, pull_fields, resources, scheduling, tmp_volume,
+)
 
-TMP_DIR = "/tmp"  # emptyDir: the root filesystem is read-only
+__all__ = ["Owner", "Role", "build_headless_service", "build_router_deployment", "build_router_rbac",
+           "build_router_service", "build_worker_deployment", "build_worker_rbac", "container_security_context",
+           "desired_children", "pod_security_context", "possible_children", "router_endpoint", "serving_revision",
+           "worker_image"]
+
 IPC_LOCK = "IPC_LOCK"  # RDMA only: lets UCX register (pin) memory beyond RLIMIT_MEMLOCK
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The DisaggregatedInference the children belong to."""
-    name: str
-    namespace: str
-    uid: str
-
-    def reference(self) -> dict[str, Any]:
-        return {"apiVersion": s.API_VERSION, "kind": s.KIND, "name": self.name, "uid": self.uid,
-                "controller": True, "blockOwnerDeletion": True}
+PD_PROXY = "pd-proxy"  # engine vllm: the container in front of vLLM
 
 
 def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
@@ -45,12 +52,8 @@ def serving_revision(spec: s.DisaggregatedInferenceSpec) -> str:
 
 
 def router_endpoint(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> str:
-    return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
-
-
-def _metadata(owner: Owner, name: str, component: Component) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner.name, component),
-            "ownerReferences": [owner.reference()]}
+    scheme = "https" if spec.router.tls else "http"
+    return f"{scheme}://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}"
 
 
 # ---------------------------------------------------------------- worker pods
@@ -63,10 +66,6 @@ def worker_image(spec: s.DisaggregatedInferenceSpec) -> str | None:
     return spec.engine_image or spec.image if spec.engine == "vllm" else spec.image
 
 
-def ready_path(spec: s.DisaggregatedInferenceSpec) -> str:
-    return "/health" if spec.engine == "vllm" else "/ready"
-
-
 def _kv_events_ports(spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
     """The workers' KV-cache event ports, exposed where the router subscribes to them."""
     if spec.router.policy != "prefix-aware":
@@ -75,42 +74,8 @@ def _kv_events_ports(spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]
             {"name": "kv-events-replay", "containerPort": KV_EVENTS_PORTS[1], "protocol": "TCP"}]
 
 
-def _downward_env() -> list[dict[str, Any]]:
-    def field(path: str) -> dict[str, Any]:
-        return {"fieldRef": {"fieldPath": path}}
-    return [{"name": "POD_IP", "valueFrom": field("status.podIP")},
-            {"name": "POD_NAME", "valueFrom": field("metadata.name")},
-            {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")}]
-
-
 def _user_env(env: list[s.EnvVar]) -> list[dict[str, Any]]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
-
-
-def _resources(res: s.Resources, extended: dict[str, int] | None = None) -> dict[str, Any]:
-    """`extended`: device-plugin resources (GPUs, RDMA devices) -> count; their request must equal the limit."""
-    out: dict[str, Any] = {}
-    requests = {k: str(v) for k, v in res.requests.items()}
-    limits = {k: str(v) for k, v in res.limits.items()}
-    for name, count in (extended or {}).items():
-        if count:
-            requests[name] = limits[name] = str(count)
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _placement(p: s.PodPlacement) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if p.node_selector:
-        out["nodeSelector"] = dict(p.node_selector)
-    if p.tolerations:
-        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in p.tolerations]
-    if p.affinity is not None:
-        out["affinity"] = p.affinity.model_dump(by_alias=True)
-    return out
 
 
 def _model_volumes(spec: s.DisaggregatedInferenceSpec) -> tuple[list[dict], list[dict]]:
@@ -153,129 +118,136 @@ def _fetch_init_container(spec: s.DisaggregatedInferenceSpec, tmp_mount: dict[st
     return container
 
 
-# ---------------------------------------------------------------- security
-def pod_security_context() -> dict[str, Any]:
-    """Every pod: the image's non-root user (UID 10001 in the Dockerfile), the runtime's default seccomp profile."""
-    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def container_security_context(add: tuple[str, ...] = ()) -> dict[str, Any]:
-    """No capabilities but `add`, no privilege escalation, a read-only root filesystem: the worker and the router
-    write only to mounted volumes (/tmp, /dev/shm, the model cache)."""
-    capabilities: dict[str, Any] = {"drop": ["ALL"]}
-    if add:
-        capabilities["add"] = list(add)
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": capabilities}
-
-
 def worker_capabilities(spec: s.DisaggregatedInferenceSpec) -> tuple[str, ...]:
     return (IPC_LOCK,) if spec.kv_transfer.rdma.enabled else ()
 
 
-def _tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(volume, mount) of the writable /tmp."""
-    return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": TMP_DIR}
+def _serving_probes() -> dict[str, Any]:
+    """The probes of the container owning the pod's HTTP port. Loading weights can take long: the startup probe
+    holds liveness off until /health answers. A terminating vLLM pod turns the pd-proxy's /ready 503 as our
+    worker's does."""
+    return {"startupProbe": http_probe("/health", 10, 180), "livenessProbe": http_probe("/health", 10, 3),
+            "readinessProbe": http_probe("/ready", 5, 2)}
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+def _pre_stop(r: s.RoleSpec) -> dict[str, Any]:
+    """The router stops sending (/ready turns false on SIGTERM) before SIGTERM: a preStop wait."""
+    if not r.drain_delay_seconds:
+        return {}
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}}
 
 
-def _pod_template(labels: dict[str, str], pod_spec: dict[str, Any]) -> dict[str, Any]:
-    template = {"metadata": {"labels": labels}, "spec": pod_spec}
-    template["metadata"]["annotations"] = {ANNOTATION_CONFIG_HASH: stable_hash(template)}
-    return template
+def _engine_container(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role,
+                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our worker (the pod's HTTP port, its probes, the hand-off key) or vLLM (on the pod's loopback)."""
+    r: s.RoleSpec = getattr(spec, role)
+    command = pod_worker_command(spec, role, namespace=owner.namespace, instance=owner.name)
+    rdma = spec.kv_transfer.rdma
+    devices = {"nvidia.com/gpu": s.worker_gpus(spec, role)}
+    if rdma.enabled and rdma.resource_name:
+        devices[rdma.resource_name] = 1
+    vllm = spec.engine == "vllm"
+    engine_env = [{"name": k, "value": v} for k, v in {**command.env, **(VLLM_POD_ENV if vllm else {})}.items()]
+    http = [] if vllm else [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    container: dict[str, Any] = {
+        "name": role, "image": worker_image(spec), "command": command.argv[:1], "args": command.argv[1:],
+        "ports": [*http, {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"},
+                  *_kv_events_ports(spec)],
+        "env": downward_env() + engine_env + ([] if vllm else handoff_env(owner, spec)) + _user_env(r.env),
+        "resources": resources(r.resources, devices),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_volume()[1], *mounts],
+        **({} if vllm else _serving_probes()),
+        "securityContext": container_security_context(worker_capabilities(spec)),
+        **_pre_stop(r),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def _pd_proxy_container(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
+    """engine vllm: `disagg pd-proxy` owns the pod's HTTP port (the router and the gateway talk to it) and its
+    probes; it signs and checks hand-offs, so it gets the key."""
+    argv = pod_pd_proxy_command(spec, role, namespace=owner.namespace, instance=owner.name)
+    container: dict[str, Any] = {
+        "name": PD_PROXY, "image": spec.image, "command": argv[:1], "args": argv[1:],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": downward_env() + handoff_env(owner, spec),
+        **_serving_probes(),
+        "securityContext": container_security_context(),
+        "volumeMounts": [tmp_volume()[1]],
+        **_pre_stop(getattr(spec, role)),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
 
 
 def build_worker_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec, role: Role) -> dict[str, Any]:
     r: s.RoleSpec = getattr(spec, role)
     volumes, mounts = _model_volumes(spec)
-    command = pod_worker_command(spec, role)
-    tmp, tmp_mount = _tmp_volume()
-    rdma = spec.kv_transfer.rdma
-    devices = {"nvidia.com/gpu": s.worker_gpus(spec, role)}
-    if rdma.enabled and rdma.resource_name:
-        devices[rdma.resource_name] = 1
+    tmp, tmp_mount = tmp_volume()
     shm: dict[str, Any] = {"medium": "Memory"}
     if r.shared_memory_size is not None:
         shm["sizeLimit"] = str(r.shared_memory_size)
-    engine_env = {**command.env, **(VLLM_POD_ENV if spec.engine == "vllm" else {})}
-    container: dict[str, Any] = {
-        "name": role,
-        "image": worker_image(spec),
-        "command": command.argv[:1],
-        "args": command.argv[1:],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "kv-side-channel", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"},
-                  *_kv_events_ports(spec)],
-        "env": _downward_env() + [{"name": k, "value": v} for k, v in engine_env.items()] + _user_env(r.env),
-        "resources": _resources(r.resources, devices),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, tmp_mount, *mounts],
-        # loading weights can take long: the startup probe holds liveness off until /health answers
-        "startupProbe": _probe("/health", 10, 180),
-        "livenessProbe": _probe("/health", 10, 3),
-        # vLLM has no /ready: its /health answers once the engine serves; a terminating vLLM pod leaves the
-        # router because discovery drops pods with a deletionTimestamp, and the preStop wait covers the gap
-        "readinessProbe": _probe(ready_path(spec), 5, 2),
-        "securityContext": container_security_context(worker_capabilities(spec)),
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
-    if r.drain_delay_seconds:  # the router stops sending (disagg: /ready turns false on SIGTERM) before SIGTERM
-        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(r.drain_delay_seconds)]}}}
+    containers = [_engine_container(owner, spec, role, mounts)]
+    if spec.engine == "vllm":
+        containers.append(_pd_proxy_container(owner, spec, role))
     pod_spec: dict[str, Any] = {
+        # behind a gateway decode pods list the prefill pods their own hop may go to
+        **({"serviceAccountName": child_name(owner.name, "worker")}
+           if role == "decode" and spec.gateway.enabled else {}),
         "securityContext": pod_security_context(),
         **({"initContainers": [_fetch_init_container(spec, tmp_mount)]} if spec.model.source.downloaded else {}),
-        "containers": [container],
+        "containers": containers,
         "volumes": [{"name": "dshm", "emptyDir": shm}, tmp, *volumes],
         "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
-        **_placement(r),
+        **scheduling(r),
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     labels = {**common_labels(owner.name, role), LABEL_REVISION: serving_revision(spec)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "metadata": metadata(owner, child_name(owner.name, role), role),
         "spec": {"replicas": r.replicas, "selector": {"matchLabels": selector_labels(owner.name, role)},
-                 "template": _pod_template(labels, pod_spec)},
+                 "template": pod_template(labels, pod_spec)},
     }
 
 
 # ---------------------------------------------------------------- router
 def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
-    tmp, tmp_mount = _tmp_volume()
+    tmp, tmp_mount = tmp_volume()
     argv = pod_router_command(spec, namespace=owner.namespace, instance=owner.name)
+    tls = spec.router.tls
+    scheme = "HTTPS" if tls else "HTTP"
     container: dict[str, Any] = {
         "name": "router", "image": spec.image, "command": argv[:1], "args": argv[1:],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _downward_env(),
-        "resources": _resources(spec.router.resources),
-        "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/ready", 5, 2),  # 503 until the router sees a decode endpoint
+        "env": downward_env() + client_key_env(spec.router),
+        "resources": resources(spec.router.resources),
+        "livenessProbe": http_probe("/health", 10, 3, scheme),
+        "readinessProbe": http_probe("/ready", 5, 2, scheme),  # 503 until the router sees a decode endpoint
         "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK
-        "volumeMounts": [tmp_mount],
+        "volumeMounts": [tmp_mount, *([{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if tls else [])],
     }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
+    volumes = [tmp, *([{"name": "tls", "secret": {"secretName": tls.secret_name}}] if tls else [])]
     pod_spec: dict[str, Any] = {"serviceAccountName": child_name(owner.name, "router"),
                                 "securityContext": pod_security_context(), "containers": [container],
-                                "volumes": [tmp], **_placement(spec.router)}
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+                                "volumes": volumes, **scheduling(spec.router)}
+    pull_fields(spec, container, pod_spec)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner.name, "router"), "router"),
+        "metadata": metadata(owner, child_name(owner.name, "router"), "router"),
         "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector_labels(owner.name, "router")},
-                 "template": _pod_template(common_labels(owner.name, "router"), pod_spec)},
+                 "template": pod_template(common_labels(owner.name, "router"), pod_spec)},
     }
 
 
 def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(owner, owner.name, "router"),
+        "metadata": metadata(owner, owner.name, "router"),
         "spec": {"type": spec.router.service.type, "selector": selector_labels(owner.name, "router"),
                  "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http",
                             "protocol": "TCP"}]},
@@ -285,7 +257,7 @@ def build_router_service(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
 def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "metadata": metadata(owner, child_name(owner.name, role), role),
         "spec": {"clusterIP": "None", "selector": selector_labels(owner.name, role),
                  "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                            {"name": "kv-side-channel", "port": SIDE_CHANNEL_PORT, "targetPort": "kv-side-channel",
@@ -294,23 +266,30 @@ def build_headless_service(owner: Owner, role: Role) -> dict[str, Any]:
 
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    name = child_name(owner.name, "router")
-    rbac = "rbac.authorization.k8s.io/v1"
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")},
-        {"apiVersion": rbac, "kind": "Role", "metadata": _metadata(owner, name, "router"),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": _metadata(owner, name, "router"),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
-    ]
+    return pod_reader_rbac(owner, "router")
+
+
+def build_worker_rbac(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """Behind a gateway: the decode pods' identity (they discover the prefill pods their hop may go to)."""
+    return pod_reader_rbac(owner, "worker") if spec.gateway.enabled else []
 
 
 # ---------------------------------------------------------------- everything
 def desired_children(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
-    """Order matters: RBAC and Services before the Deployments that use them."""
-    return [*build_router_rbac(owner),
+    """Order matters: NetworkPolicies, RBAC and Services before the Deployments that use them; the gateway's
+    children last (the pool names the picker's Service)."""
+    return [*build_network_policies(owner, spec), *build_router_rbac(owner), *build_worker_rbac(owner, spec),
             build_headless_service(owner, "prefill"), build_headless_service(owner, "decode"),
             build_router_service(owner, spec),
             build_worker_deployment(owner, spec, "prefill"), build_worker_deployment(owner, spec, "decode"),
-            build_router_deployment(owner, spec)]
+            build_router_deployment(owner, spec), *gateway_children(owner, spec)]
+
+
+def possible_children(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every child this resource may have, whatever its optional parts: what the
+    reconcile pass removes when the spec no longer wants it."""
+    everything = spec.model_copy(deep=True)
+    everything.gateway.enabled = True
+    everything.gateway.http_route = s.HTTPRouteSpec(gateway_name="any")
+    everything.security.network_policy.enabled = True
+    return [(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in desired_children(owner, everything)]

@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 GROUP = "disagg.dev"  # the CRD's API group; our labels and annotations live under it
 
-Component = Literal["prefill", "decode", "router"]
+# what a child is part of: the pools, the router, the gateway's endpoint picker (epp) and the objects the gateway
+# reads (gateway: the InferencePool, the HTTPRoute), the decode pods' identity behind a gateway (worker: their
+# ServiceAccount) and the signed hand-off's key (handoff: its Secret)
+Component = Literal["prefill", "decode", "router", "epp", "gateway", "worker", "handoff"]
 
 # labels of every child (Kubernetes' recommended ones); the selector is name + instance + component
 LABEL_NAME = "app.kubernetes.io/name"
@@ -33,9 +36,14 @@ ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # the R
 HTTP_PORT = 8000  # API, /health, /ready, /metrics; the router pod's too
 SIDE_CHANNEL_PORT = 5600  # NIXL side channel
 KV_EVENTS_PORTS = (5557, 5558)  # KV-cache events PUB and replay (router.policy prefix-aware)
+ENGINE_PORT = 8001  # engine vllm: vLLM on the pod's loopback, behind `disagg pd-proxy` (which owns HTTP_PORT)
+EPP_GRPC_PORT = 9002  # the endpoint picker's ext_proc (GIE's conventional port)
+EPP_HEALTH_PORT = 9003  # its gRPC health service
+EPP_METRICS_PORT = 9090  # its HTTP /health, /ready, /metrics
 KV_EVENTS_TOPIC = "kv-events"  # engine vllm: the topic frame of its KV-cache events (the router subscribes to it)
 
-# children are named "<name>-prefill", "<name>-decode", "<name>-router": a 63-char DNS label minus the suffix
+# children are named "<name>-prefill", "<name>-decode", "<name>-handoff" (the longest suffixes), ...: a 63-char
+# DNS label minus the suffix
 MAX_NAME_LENGTH = 55
 
 

@@ -1,4 +1,5 @@
-"""Where each process runs, as its command line needs it: a worker's `Placement`, the router's `RouterPlacement`.
+"""Where each process runs, as its command line needs it: a worker's `Placement`, the router's `RouterPlacement`,
+and on Kubernetes only the endpoint picker's `EppPlacement` and a vLLM pod's `ProxyPlacement` (`disagg pd-proxy`).
 
 Built in one place per target, with keyword arguments: kubernetes_*() - the pods' fixed ports, the pod IP through
 the downward API, the volumes' mount paths; local_*() - free ports on one host (`disagg up`). The command
@@ -13,13 +14,33 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from disagg.operator import spec as s
-from disagg.operator.naming import HTTP_PORT, KV_EVENTS_PORTS, SIDE_CHANNEL_PORT, label_selector, stable_hash
+from disagg.operator.naming import (
+    ENGINE_PORT, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT, HTTP_PORT, KV_EVENTS_PORTS, SIDE_CHANNEL_PORT,
+    label_selector, stable_hash,
+)
 
 # where a worker pod mounts its volumes
 MODELS_DIR = "/models"  # PVC mount
 CACHE_DIR = "/cache"  # emptyDir or spec.model.cacheClaimName: downloaded checkpoints
 SHARED_STORAGE_DIR = "/kv-shared"  # spec.kvTransfer.sharedStorage: SharedStorageConnector's directory
 POD_IP = "$(POD_IP)"  # the kubelet expands it from the downward API's POD_IP variable
+TLS_DIR = "/etc/disagg/tls"  # spec.router.tls: the kubernetes.io/tls Secret in the router pods (tls.crt, tls.key)
+LOOPBACK = "127.0.0.1"  # engine vllm: vLLM listens on the pod's loopback, `disagg pd-proxy` in front of it
+
+
+@dataclass(frozen=True)
+class PrefillPool:
+    """Where a decode worker behind a gateway finds the prefill pods its prefill hop may go to (its allowlist):
+    Kubernetes pods of this resource."""
+    namespace: str
+    selector: str  # label selector of the resource's prefill pods
+    port: int  # their HTTP port
+
+    def flags(self, prefix: str = "") -> list[str]:
+        """The routing flags naming the pool: `--discovery ...` (pd-proxy), `--pd-discovery ...` (our worker)."""
+        p = f"--{prefix}"
+        return [f"{p}discovery", "kubernetes", f"{p}namespace", self.namespace,
+                f"{p}prefill-selector", self.selector, f"{p}worker-port", str(self.port)]
 
 
 @dataclass(frozen=True)
@@ -32,6 +53,27 @@ class Placement:
     model_dir: str  # the checkpoint directory as the worker sees it
     shared_storage_path: str | None = None  # SharedStorageConnector's directory
     kv_events_ports: tuple[int, int] | None = None  # KV-cache events (PUB, replay) for a prefix-aware router
+    prefill_pool: PrefillPool | None = None  # decode behind a gateway: where its own prefill hop may go
+
+
+@dataclass(frozen=True)
+class ProxyPlacement:
+    """`disagg pd-proxy` in a vLLM pod: it owns the pod's HTTP port, vLLM listens behind it."""
+    host: str
+    port: int
+    engine_url: str  # vLLM, on the pod's loopback
+    prefill_pool: PrefillPool | None = None  # decode behind a gateway: its prefill hop's allowlist
+
+
+@dataclass(frozen=True)
+class EppPlacement:
+    """The endpoint picker's ports and where it finds the workers."""
+    host: str
+    grpc_port: int  # ext_proc
+    health_port: int  # gRPC health
+    metrics_port: int  # HTTP /health, /ready, /metrics
+    discovery: tuple[str, ...]
+    kv_events_ports: tuple[int, int] | None = None  # as RouterPlacement's
 
 
 @dataclass(frozen=True)
@@ -43,22 +85,48 @@ class RouterPlacement:
     probe_interval_s: float | None = None  # None: the router's default
     # where workers that serve no GET /kv_events (vLLM) publish KV-cache events: the pods' fixed ports
     kv_events_ports: tuple[int, int] | None = None
+    tls_files: tuple[str, str] | None = None  # (certificate, key) it serves HTTPS with
 
 
 # ---------------------------------------------------------------- Kubernetes
-def kubernetes_placement(*, model_dir: str, shared_storage: bool) -> Placement:
-    """A worker pod: every port fixed, peers reach it at its pod IP."""
-    return Placement(host="0.0.0.0", port=HTTP_PORT, advertise_host=POD_IP, side_channel_port=SIDE_CHANNEL_PORT,
+def kubernetes_placement(*, model_dir: str, shared_storage: bool, engine: str = "disagg",
+                         prefill_pool: PrefillPool | None = None) -> Placement:
+    """A worker pod: every port fixed, peers reach it at its pod IP. Engine vllm listens on the pod's loopback
+    (kubernetes_proxy_placement owns the pod's HTTP port); its side channel and KV events at the pod IP."""
+    host, port = (LOOPBACK, ENGINE_PORT) if engine == "vllm" else ("0.0.0.0", HTTP_PORT)
+    return Placement(host=host, port=port, advertise_host=POD_IP, side_channel_port=SIDE_CHANNEL_PORT,
                      model_dir=model_dir, shared_storage_path=SHARED_STORAGE_DIR if shared_storage else None,
-                     kv_events_ports=KV_EVENTS_PORTS)
+                     kv_events_ports=KV_EVENTS_PORTS, prefill_pool=prefill_pool)
 
 
-def kubernetes_router_placement(*, namespace: str, instance: str) -> RouterPlacement:
-    """The router pod: it lists the resource's worker pods by their labels."""
-    discovery = ("--discovery", "kubernetes", "--namespace", namespace,
-                 "--prefill-selector", label_selector(instance, "prefill"),
-                 "--decode-selector", label_selector(instance, "decode"))
-    return RouterPlacement(host="0.0.0.0", port=HTTP_PORT, discovery=discovery, kv_events_ports=KV_EVENTS_PORTS)
+def kubernetes_prefill_pool(*, namespace: str, instance: str) -> PrefillPool:
+    return PrefillPool(namespace=namespace, selector=label_selector(instance, "prefill"), port=HTTP_PORT)
+
+
+def kubernetes_proxy_placement(prefill_pool: PrefillPool | None) -> ProxyPlacement:
+    return ProxyPlacement(host="0.0.0.0", port=HTTP_PORT, engine_url=f"http://{LOOPBACK}:{ENGINE_PORT}",
+                          prefill_pool=prefill_pool)
+
+
+def _kubernetes_discovery(namespace: str, instance: str) -> tuple[str, ...]:
+    return ("--discovery", "kubernetes", "--namespace", namespace,
+            "--prefill-selector", label_selector(instance, "prefill"),
+            "--decode-selector", label_selector(instance, "decode"))
+
+
+def kubernetes_router_placement(*, namespace: str, instance: str, tls: bool = False) -> RouterPlacement:
+    """The router pod: it lists the resource's worker pods by their labels; with `tls` it serves HTTPS with the
+    Secret mounted at TLS_DIR."""
+    return RouterPlacement(host="0.0.0.0", port=HTTP_PORT, discovery=_kubernetes_discovery(namespace, instance),
+                           kv_events_ports=KV_EVENTS_PORTS,
+                           tls_files=(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key") if tls else None)
+
+
+def kubernetes_epp_placement(*, namespace: str, instance: str) -> EppPlacement:
+    """The endpoint picker's pod: GIE's ports, the same discovery as the router."""
+    return EppPlacement(host="0.0.0.0", grpc_port=EPP_GRPC_PORT, health_port=EPP_HEALTH_PORT,
+                        metrics_port=EPP_METRICS_PORT, discovery=_kubernetes_discovery(namespace, instance),
+                        kv_events_ports=KV_EVENTS_PORTS)
 
 
 def pod_model_dir(spec: s.DisaggregatedInferenceSpec) -> str:

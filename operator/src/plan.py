@@ -14,16 +14,18 @@ from typing import Any
 from disagg.operator import spec as s
 from disagg.operator.checks import Problem, check_spec
 from disagg.operator.naming import KV_EVENTS_TOPIC
+from disagg.operator.epp_command import build_epp_command
+from disagg.operator.pd_proxy_command import build_pd_proxy_command
 from disagg.operator.placement import (
-    kubernetes_placement, kubernetes_router_placement, local_placement, local_router_placement, model_cache_dir,
-    pod_model_dir,
+    PrefillPool, kubernetes_epp_placement, kubernetes_placement, kubernetes_prefill_pool, kubernetes_proxy_placement,
+    kubernetes_router_placement, local_placement, local_router_placement, model_cache_dir, pod_model_dir,
 )
 from disagg.operator.router_command import build_router_command
 from disagg.operator.worker_command import Role, WorkerCommand, build_fetch_command, build_worker_command
 
 __all__ = ["LocalWorker", "Problem", "Role", "autoscaler_owns_replicas", "check_local", "initial_replicas",
-           "local_router_command", "local_worker", "model_cache_dir", "pod_fetch_command", "pod_model_dir",
-           "pod_router_command", "pod_worker_command"]
+           "local_router_command", "local_worker", "model_cache_dir", "pod_epp_command", "pod_fetch_command",
+           "pod_model_dir", "pod_pd_proxy_command", "pod_router_command", "pod_worker_command"]
 
 
 # ---------------------------------------------------------------- replicas (both targets)
@@ -44,10 +46,31 @@ def initial_replicas(spec: s.DisaggregatedInferenceSpec, role: Role) -> int:
 
 
 # ---------------------------------------------------------------- Kubernetes: pods
-def pod_worker_command(spec: s.DisaggregatedInferenceSpec, role: Role) -> WorkerCommand:
+def _prefill_pool(spec: s.DisaggregatedInferenceSpec, role: Role, namespace: str, instance: str) -> PrefillPool | None:
+    """Behind a gateway a decode pod runs the prefill hop itself, only to this resource's prefill pods."""
+    if role != "decode" or not spec.gateway.enabled:
+        return None
+    return kubernetes_prefill_pool(namespace=namespace, instance=instance)
+
+
+def pod_worker_command(spec: s.DisaggregatedInferenceSpec, role: Role, *, namespace: str,
+                       instance: str) -> WorkerCommand:
+    """The engine's container (vLLM behind pod_pd_proxy_command's, on the pod's loopback)."""
     placement = kubernetes_placement(model_dir=pod_model_dir(spec),
-                                     shared_storage=spec.kv_transfer.shared_storage is not None)
+                                     shared_storage=spec.kv_transfer.shared_storage is not None,
+                                     engine=spec.engine, prefill_pool=_prefill_pool(spec, role, namespace, instance))
     return build_worker_command(spec, role, placement)
+
+
+def pod_pd_proxy_command(spec: s.DisaggregatedInferenceSpec, role: Role, *, namespace: str,
+                         instance: str) -> list[str]:
+    """engine vllm: the container in front of vLLM that owns the pod's HTTP port."""
+    return build_pd_proxy_command(spec, role, kubernetes_proxy_placement(
+        _prefill_pool(spec, role, namespace, instance)))
+
+
+def pod_epp_command(spec: s.DisaggregatedInferenceSpec, *, namespace: str, instance: str) -> list[str]:
+    return build_epp_command(spec, kubernetes_epp_placement(namespace=namespace, instance=instance))
 
 
 def pod_fetch_command(spec: s.DisaggregatedInferenceSpec) -> WorkerCommand:
@@ -56,7 +79,8 @@ def pod_fetch_command(spec: s.DisaggregatedInferenceSpec) -> WorkerCommand:
 
 
 def pod_router_command(spec: s.DisaggregatedInferenceSpec, *, namespace: str, instance: str) -> list[str]:
-    return build_router_command(spec, kubernetes_router_placement(namespace=namespace, instance=instance))
+    return build_router_command(spec, kubernetes_router_placement(namespace=namespace, instance=instance,
+                                                                  tls=spec.router.tls is not None))
 
 
 # ---------------------------------------------------------------- one host: processes

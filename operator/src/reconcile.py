@@ -4,28 +4,41 @@ status from what the children report. Knows nothing about kopf; the clock and th
 Replicas have one writer each, and status is never read to decide them: with autoscaling off (or in dry run)
 this pass applies spec.<role>.replicas; with it on, the autoscaler owns the worker Deployments' spec.replicas
 (as an HPA owns its target's scale) and this pass sets them only when it creates a Deployment.
+
+An object of a child's name that another controller owns is never written (a condition and an Event name it);
+children the spec no longer wants (the gateway's, the NetworkPolicies turned off) are deleted when this resource
+controls them. The hand-off key's Secret is created once, never rewritten (its key is random).
 """
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from disagg.operator import handoff_key
 from disagg.operator import manifests as m
 from disagg.operator import spec as s
 from disagg.operator.checks import Problem, check_spec, name_problems
-from disagg.operator.naming import ANNOTATION_LAST_APPLIED, LABEL_COMPONENT, LABEL_REVISION, Component, child_name
+from disagg.operator.naming import ANNOTATION_LAST_APPLIED, LABEL_COMPONENT, Component, child_name
+from disagg.operator.ownership import ChildConflict, conflict, controlled_by
 from disagg.operator.plan import autoscaler_owns_replicas, initial_replicas
+from disagg.operator.resource_status import (  # noqa: F401 - role_status, rolled_out: this module's API too
+    ALWAYS, STATUS_KEYS, build_status, role_status, rolled_out, with_transition_times,
+)
+from disagg.worker.kv_transfer.handoff_auth import new_key as new_handoff_key
 
 log = logging.getLogger(__name__)
 
-ROLES: tuple[Component, ...] = ("prefill", "decode", "router")
+ROLES: tuple[Component, ...] = ALWAYS
 # status keys this pass owns; status.autoscaling and the scaling conditions belong to the autoscaler (this pass
 # only removes them when autoscaling is switched off)
-OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *ROLES, "conditions")
+OWNED_STATUS_KEYS = ("observedGeneration", "revision", "endpoint", *STATUS_KEYS.values(), "conditions")
 WORKER_ROLES: tuple[m.Role, ...] = ("prefill", "decode")
+# where a Deployment's replicas come from, for the report of a hand edit undone
+REPLICAS_SOURCE = {"epp": "spec.gateway.endpointPicker.replicas"}
 
 
 class Cluster(Protocol):
@@ -33,6 +46,7 @@ class Cluster(Protocol):
     def create(self, obj: dict[str, Any]) -> dict[str, Any]: ...
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
               subresource: str | None = None) -> dict[str, Any]: ...
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
 
 
 @dataclass
@@ -42,6 +56,8 @@ class PassResult:
     children_written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
     problems: list[Problem] = field(default_factory=list)  # non-empty: spec rejected, children untouched
     replicas_reverted: list[ReplicasReverted] = field(default_factory=list)  # hand edits undone
+    conflicts: list[ChildConflict] = field(default_factory=list)  # children another controller owns: untouched
+    children_removed: list[str] = field(default_factory=list)  # "Kind/name" the spec no longer wants, deleted
 
 
 @dataclass(frozen=True)
@@ -136,71 +152,6 @@ def apply_child(cluster: Cluster, desired: dict[str, Any], observed: dict[str, A
     return cluster.patch(*key, patch), True
 
 
-# ---------------------------------------------------------------- status
-def role_status(deployment: dict[str, Any] | None) -> dict[str, int]:
-    st = (deployment or {}).get("status") or {}
-    return {"replicas": int(st.get("replicas", 0)), "readyReplicas": int(st.get("readyReplicas", 0)),
-            "updatedReplicas": int(st.get("updatedReplicas", 0))}
-
-
-def rolled_out(deployment: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
-    """Every pod runs the template (revision) we want now. Availability is not asked: pods failing /ready
-    after a finished rollout are Degraded, not Progressing."""
-    if deployment is None:
-        return False
-    want = desired["spec"]["replicas"]
-    st = deployment.get("status") or {}
-    template_labels = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
-    wanted_labels = desired["spec"]["template"]["metadata"]["labels"]
-    return (st.get("observedGeneration", -1) >= deployment["metadata"].get("generation", 0)
-            and template_labels.get(LABEL_REVISION) == wanted_labels.get(LABEL_REVISION)
-            and st.get("updatedReplicas", 0) == want and st.get("replicas", 0) == want)
-
-
-def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
-    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message,
-            "observedGeneration": generation}
-
-
-def with_transition_times(new: list[dict[str, Any]], old: list[dict[str, Any]], now: datetime) -> list[dict]:
-    previous = {c.get("type"): c for c in old}
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    for c in new:
-        prev = previous.get(c["type"])
-        c["lastTransitionTime"] = prev["lastTransitionTime"] if prev and prev.get("status") == c["status"] \
-            and prev.get("lastTransitionTime") else stamp
-    return new
-
-
-def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
-                 problems: list[Problem], extra: dict[str, Any]) -> dict[str, Any]:
-    """Conditions without transition times; `desired` is None when the spec was rejected."""
-    status: dict[str, Any] = {"observedGeneration": generation, **extra,
-                              **{r: role_status(deployments.get(r)) for r in ROLES}}
-    if problems:
-        msg = "; ".join(str(p) for p in problems)
-        status["conditions"] = [_condition("Ready", False, "InvalidSpec", msg, generation),
-                                _condition("Progressing", False, "InvalidSpec", msg, generation),
-                                _condition("Degraded", True, "InvalidSpec", msg, generation)]
-        return status
-    assert desired is not None
-    want = {r: desired[r]["spec"]["replicas"] for r in ROLES}
-    counts = ", ".join(f"{r} {status[r]['readyReplicas']}/{want[r]}" for r in ROLES)
-    pending = [r for r in ROLES if not rolled_out(deployments.get(r), desired[r])]
-    ready = all(status[r]["readyReplicas"] >= want[r] for r in ROLES)
-    progressing = bool(pending)
-    status["conditions"] = [
-        _condition("Ready", ready, "ReplicasReady" if ready else "ReplicasNotReady", f"ready: {counts}", generation),
-        _condition("Progressing", progressing, "RolloutInProgress" if progressing else "RolloutComplete",
-                   f"rolling out: {', '.join(pending)}" if pending else "all pools run the current revision",
-                   generation),
-        _condition("Degraded", not progressing and not ready,
-                   "ReplicasUnavailable" if not progressing and not ready else "AsExpected", f"ready: {counts}",
-                   generation),
-    ]
-    return status
-
-
 # ---------------------------------------------------------------- the pass
 def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, list[Problem]]:
     spec, problems = check_spec(body.get("spec") or {}, "kubernetes")
@@ -211,20 +162,60 @@ def check(body: dict[str, Any]) -> tuple[s.DisaggregatedInferenceSpec | None, li
 class _Applied:
     written: list[str] = field(default_factory=list)  # "Kind/name" created or patched
     reverted: list[ReplicasReverted] = field(default_factory=list)
-    deployments: dict[str, dict | None] = field(default_factory=dict)  # role -> as the server holds it
-    desired: dict[str, dict] | None = None  # role -> the Deployment we want; None: spec rejected
+    deployments: dict[str, dict | None] = field(default_factory=dict)  # component -> as the server holds it
+    desired: dict[str, dict] | None = None  # component -> the Deployment we want; None: spec rejected
+    conflicts: list[ChildConflict] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # "Kind/name" deleted
+    pool: dict[str, Any] | None = None  # the InferencePool as the server holds it
 
 
-def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec) -> _Applied:
+def ensure_handoff_secret(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec,
+                          new_key: Callable[[], str], out: _Applied) -> None:
+    """Secret <name>-handoff: created with a fresh key when missing, never rewritten (pods hold the key: a new
+    one would refuse the hand-offs in flight). None when spec.security.handoffKeySecret names the user's."""
+    if not handoff_key.operator_creates_secret(spec):
+        return
+    name = child_name(owner.name, "handoff")
+    observed = cluster.get("v1", "Secret", owner.namespace, name)
+    if observed is None:
+        cluster.create(handoff_key.build_handoff_secret(owner, new_key()))
+        out.written.append(f"Secret/{name}")
+    elif (c := conflict("Secret", observed, owner.uid)) is not None:
+        out.conflicts.append(c)
+
+
+def remove_unwanted(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec,
+                    wanted: set[tuple[str, str]], out: _Applied) -> None:
+    """Delete the children this resource may have but its spec no longer wants, where this resource controls
+    them (the gateway's when it is turned off, the NetworkPolicies when they are)."""
+    for api_version, kind, name in m.possible_children(owner, spec):
+        if (kind, name) in wanted:
+            continue
+        observed = cluster.get(api_version, kind, owner.namespace, name)
+        if observed is not None and controlled_by(observed, owner.uid):
+            cluster.delete(api_version, kind, owner.namespace, name)
+            out.removed.append(f"{kind}/{name}")
+
+
+def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInferenceSpec,
+                   new_key: Callable[[], str] = new_handoff_key) -> _Applied:
     owned_elsewhere = autoscaler_owns_replicas(spec)
     spec = spec.model_copy(deep=True)
     for role in WORKER_ROLES:  # with the autoscaler on, only the starting point: the Deployment's creation
         getattr(spec, role).replicas = initial_replicas(spec, role)
     out = _Applied(desired={})
+    ensure_handoff_secret(cluster, owner, spec, new_key, out)  # before the pods that read it
+    wanted: set[tuple[str, str]] = set()
     for child in m.desired_children(owner, spec):
         meta = child["metadata"]
+        wanted.add((child["kind"], meta["name"]))
         observed = cluster.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
         role = meta["labels"].get(LABEL_COMPONENT) if child["kind"] == "Deployment" else None
+        if observed is not None and (c := conflict(child["kind"], observed, owner.uid)) is not None:
+            out.conflicts.append(c)  # not ours to write: reported, and counted as not there
+            if role is not None:
+                out.deployments[role], out.desired[role] = None, child
+            continue
         keep = owned_elsewhere and role in WORKER_ROLES and observed is not None
         if keep:  # the autoscaler's number, as it last applied it
             child["spec"]["replicas"] = applied_replicas(observed)  # type: ignore[arg-type]
@@ -232,17 +223,21 @@ def apply_children(cluster: Cluster, owner: m.Owner, spec: s.DisaggregatedInfere
         current, wrote = apply_child(cluster, child, observed, keep_replicas=keep)
         if wrote:
             out.written.append(f"{child['kind']}/{meta['name']}")
+        if child["kind"] == "InferencePool":
+            out.pool = current
         if role is not None:
             out.deployments[role], out.desired[role] = current, child
             if found is not None:
                 out.reverted.append(ReplicasReverted(meta["name"], found, child["spec"]["replicas"],
-                                                     f"spec.{role}.replicas"))
+                                                     REPLICAS_SOURCE.get(role, f"spec.{role}.replicas")))
+    remove_unwanted(cluster, owner, spec, wanted, out)
     return out
 
 
-def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResult | None:
+def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime,
+              new_key: Callable[[], str] = new_handoff_key) -> PassResult | None:
     """`body` says which resource; the pass reads it afresh (a trigger's copy may predate our last status
-    write). None: the resource is gone."""
+    write). None: the resource is gone. `new_key`: the hand-off key of a Secret the pass creates."""
     meta = body["metadata"]
     body = cluster.get(s.API_VERSION, s.KIND, meta["namespace"], meta["name"])  # type: ignore[assignment]
     if body is None:
@@ -258,10 +253,12 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
         for r in ROLES:  # report what runs, touch nothing
             applied.deployments[r] = cluster.get("apps/v1", "Deployment", owner.namespace, child_name(owner.name, r))
     else:
-        applied = apply_children(cluster, owner, spec)
+        applied = apply_children(cluster, owner, spec, new_key)
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}
     written, reverted = applied.written, applied.reverted
-    status = build_status(generation, applied.deployments, applied.desired, problems, extra)
+    gateway = spec is not None and not problems and spec.gateway.enabled
+    status = build_status(generation, applied.deployments, applied.desired, problems, extra, applied.conflicts,
+                          gateway, applied.pool)
     status["conditions"] = with_transition_times(status["conditions"], old_status.get("conditions") or [], now)
     autoscaling_on = spec is not None and spec.autoscaling.enabled
     if autoscaling_on:  # the autoscaler's conditions stay, after ours
@@ -269,11 +266,14 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime) -> PassResu
                                  if c.get("type") in s.AUTOSCALING_CONDITIONS]
     owned = {k: v for k, v in old_status.items() if k in OWNED_STATUS_KEYS}
     stale_autoscaling = not autoscaling_on and spec is not None and "autoscaling" in old_status
+    result = PassResult(old_status, False, written, problems, reverted, applied.conflicts, applied.removed)
     if owned == status and not stale_autoscaling:
-        return PassResult(old_status, False, written, problems, reverted)
+        return result
     patch = merge_patch(owned, status)
     if stale_autoscaling:
         patch["autoscaling"] = None
     cluster.patch(s.API_VERSION, s.KIND, owner.namespace, owner.name, {"status": patch}, subresource="status")
-    new_status = {k: v for k, v in {**old_status, **status}.items() if not (stale_autoscaling and k == "autoscaling")}
-    return PassResult(new_status, True, written, problems, reverted)
+    result.status = {k: v for k, v in {**old_status, **status}.items()
+                     if not (stale_autoscaling and k == "autoscaling")}
+    result.status_written = True
+    return result

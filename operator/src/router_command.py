@@ -16,25 +16,42 @@ from disagg.operator.worker_command import EXECUTABLE
 
 def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPlacement) -> list[str]:
     """`disagg router ...` (argv[0] is EXECUTABLE), spec.router.extraArgs last so a user's flag wins."""
+    argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port),
+            *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s)]
+    if placement.tls_files is not None:
+        cert, key = placement.tls_files
+        argv += ["--tls-cert-file", cert, "--tls-key-file", key]
+    return [*argv, *spec.router.extra_args]
+
+
+def routing_args(spec: s.DisaggregatedInferenceSpec, discovery: tuple[str, ...],
+                 kv_events_ports: tuple[int, int] | None, probe_interval_s: float | None = None) -> list[str]:
+    """What every program that routes by spec.router takes (the router, the endpoint picker): the policy, the
+    discovery, the bounds and, for prefix-aware, where the workers publish KV-cache events."""
     r = spec.router
-    argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port), "--policy", r.policy]
-    if placement.probe_interval_s is not None:
-        argv += ["--probe-interval", str(placement.probe_interval_s)]
-    argv += [*placement.discovery, *bound_args(r, spec.engine)]
-    if r.policy == "prefix-aware" and placement.kv_events_ports is not None:
+    argv = ["--policy", r.policy]
+    if probe_interval_s is not None:
+        argv += ["--probe-interval", str(probe_interval_s)]
+    argv += [*discovery, *bound_args(r, spec.engine)]
+    if r.policy == "prefix-aware" and kv_events_ports is not None:
         # where the workers publish KV-cache events, for those that do not say so at GET /kv_events (vLLM)
-        pub, replay = placement.kv_events_ports
+        pub, replay = kv_events_ports
         argv += ["--kv-events-port", str(pub), "--kv-events-replay-port", str(replay),
                  "--kv-events-topic", KV_EVENTS_TOPIC]
-    return [*argv, *r.extra_args]
+    return argv
+
+
+def timeout_args(timeouts: s.RouterTimeouts) -> list[str]:
+    """The hop bounds of spec.router.timeouts, as every program that runs a hop takes them."""
+    t = timeouts
+    return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
+            "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds)]
 
 
 def bound_args(router: s.RouterSpec, engine: str) -> list[str]:
     """The router's flags for spec.router's timeouts, outlier detection and prefix-aware weights."""
     t, o, x = router.timeouts, router.outlier_detection, router.prefix_aware
-    return ["--connect-timeout", str(t.connect_seconds), "--first-byte-timeout", str(t.first_byte_seconds),
-            "--idle-timeout", str(t.idle_seconds), "--request-timeout", str(t.request_seconds),
-            "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
+    return [*timeout_args(t), "--unresponsive-after", f"{t.unresponsive_after(engine):g}",
             "--eject-after-failures", str(o.consecutive_failures),
             "--ejection-seconds", str(o.base_ejection_seconds),
             "--max-ejection-seconds", str(o.max_ejection_seconds),

@@ -238,6 +238,19 @@ class PrefixAwareRouting(_Model):
         "full KV blocks of it (0: only when it holds them all).")
 
 
+class RouterAuth(_Model):
+    """Client API keys: a request without `Authorization: Bearer <the key>` gets 401 (/health, /ready and /metrics
+    stay open to probes). The same key at the endpoint picker behind a gateway."""
+    secret_name: str = Field(min_length=1, max_length=253, description="A Secret in this resource's namespace.")
+    key: str = Field("api-key", min_length=1, max_length=253, description="Its entry holding the key.")
+
+
+class RouterTLS(_Model):
+    """HTTPS on the router: the certificate and key of a kubernetes.io/tls Secret (tls.crt, tls.key)."""
+    secret_name: str = Field(min_length=1, max_length=253, description="A kubernetes.io/tls Secret in this "
+                             "resource's namespace, mounted read-only into the router pods.")
+
+
 class RouterSpec(PodPlacement):
     replicas: int = Field(1, ge=0, le=100)
     policy: Literal[POLICY_NAMES] = Field(  # the router's registry (router/policies.py)
@@ -248,7 +261,71 @@ class RouterSpec(PodPlacement):
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     prefix_aware: PrefixAwareRouting = Field(default_factory=PrefixAwareRouting)
+    auth: RouterAuth | None = Field(None, description="Client API keys (default: none; anyone who reaches the "
+                                    "router may use it).")
+    tls: RouterTLS | None = Field(None, description="Serve HTTPS (default: plain HTTP).")
     extra_args: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- gateway (Gateway API Inference Extension)
+FailureMode = Literal["FailOpen", "FailClose"]
+
+
+class EndpointPickerSpec(_Model):
+    """The endpoint picker (`disagg epp`): the router's policy, timeouts, outlier detection and prefix-aware
+    weights (spec.router) picking for the gateway."""
+    replicas: int = Field(1, ge=0, le=100)
+    resources: Resources = Field(default_factory=Resources)
+    extra_args: list[str] = Field(default_factory=list, description="Appended to `disagg epp`'s command line.")
+
+
+class HTTPRouteSpec(_Model):
+    """An HTTPRoute (gateway.networking.k8s.io/v1) from your Gateway to this resource's InferencePool."""
+    gateway_name: str = Field(min_length=1, max_length=253, description="The Gateway the route attaches to.")
+    gateway_namespace: str | None = Field(None, min_length=1, max_length=63, description="Its namespace; "
+                                          "default this resource's (another one must allow the route).")
+    section_name: str | None = Field(None, min_length=1, max_length=253,
+                                     description="A listener of that Gateway; default all of them.")
+    hostnames: list[Annotated[str, StringConstraints(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Host names the route matches; default any.")
+    path_prefix: str = Field("/", min_length=1, max_length=1024, pattern=r"^/",
+                             description="Requests under this path go to the pool.")
+
+
+class GatewaySpec(_Model):
+    """Serve behind a Gateway API inference gateway (Envoy, kgateway, Istio, GKE Gateway): an InferencePool of
+    the decode pods, our endpoint picker and, with httpRoute, a route from your Gateway. The router stays."""
+    enabled: bool = Field(False, description="Render the InferencePool, the endpoint picker and the decode "
+                          "pods' prefill hop (decode pods then list pods: a ServiceAccount of their own).")
+    failure_mode: FailureMode = Field("FailClose", description="When the gateway cannot reach the picker: "
+                                      "FailClose answers 503, FailOpen sends to any pool pod (decode alone).")
+    endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
+    http_route: HTTPRouteSpec | None = Field(None, description="Attach the pool to your Gateway.")
+
+
+# ---------------------------------------------------------------- security
+class SecretKeySelector(_Model):
+    name: str = Field(min_length=1, max_length=253, description="A Secret in this resource's namespace.")
+    key: str = Field("key", min_length=1, max_length=253)
+
+
+class NetworkPolicySpec(_Model):
+    """Ingress NetworkPolicies for this resource's pods: workers reachable only from its router, endpoint picker
+    and its own workers (plus gatewayFrom and metricsFrom), the router from anywhere."""
+    enabled: bool = True
+    gateway_from: list[_FreeForm] | None = Field(
+        None, description="NetworkPolicyPeers where your gateway's proxies run: they may reach the decode pods "
+        "and the endpoint picker. Unset: any pod of any namespace; [] nobody.")
+    metrics_from: list[_FreeForm] | None = Field(
+        None, description="NetworkPolicyPeers that scrape the workers' /metrics (the operator's autoscaler, "
+        "Prometheus). Unset: pods labelled app.kubernetes.io/name=disagg-operator in any namespace.")
+
+
+class SecuritySpec(_Model):
+    handoff_key_secret: SecretKeySelector | None = Field(
+        None, description="Your Secret holding the key that signs P/D hand-offs (base64 of >= 16 random bytes). "
+        "Unset: the operator creates <name>-handoff once and never rewrites it.")
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
 
 # ---------------------------------------------------------------- autoscaling (policy lives in autoscaling/)
@@ -366,11 +443,14 @@ class DisaggregatedInferenceSpec(_Model):
     decode: RoleSpec = Field(default_factory=RoleSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
 
 
 # ---------------------------------------------------------------- status
 # conditions the reconcile pass owns, and those the autoscaler owns
-ReconcileCondition = Literal["Ready", "Progressing", "Degraded"]
+# InferencePoolReady (gateway on): the parents' Accepted and ResolvedRefs, as the user's gateway controller wrote them
+ReconcileCondition = Literal["Ready", "Progressing", "Degraded", "InferencePoolReady"]
 AutoscalingCondition = Literal["ScalingActive", "ScalingLimited", "TransferBound"]
 RECONCILE_CONDITIONS: tuple[str, ...] = get_args(ReconcileCondition)
 AUTOSCALING_CONDITIONS: tuple[str, ...] = get_args(AutoscalingCondition)
@@ -430,6 +510,7 @@ class DisaggregatedInferenceStatus(_Model):
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     router: RoleStatus | None = None
+    endpoint_picker: RoleStatus | None = None  # spec.gateway.enabled
     conditions: list[Condition] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
 

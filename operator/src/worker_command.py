@@ -61,8 +61,11 @@ def _disagg_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: P
         if placement.kv_events_ports is None:
             raise ValueError("router.policy prefix-aware needs ports for the workers' KV-cache events")
         pub, replay = placement.kv_events_ports
-        argv += ["--kv-events-endpoint", f"tcp://{placement.host}:{pub}",
-                 "--kv-events-replay-endpoint", f"tcp://{placement.host}:{replay}"]
+        # at the address peers reach (the pod IP), never a wildcard: the events carry the prompts' token ids
+        argv += ["--kv-events-endpoint", f"tcp://{placement.advertise_host}:{pub}",
+                 "--kv-events-replay-endpoint", f"tcp://{placement.advertise_host}:{replay}"]
+    if role == "decode" and placement.prefill_pool is not None:  # behind a gateway: the decode side's hop
+        argv += placement.prefill_pool.flags("pd-")
     return WorkerCommand(argv)
 
 
@@ -81,10 +84,11 @@ def vllm_kv_events_config(placement: Placement) -> dict[str, Any]:
     """vLLM's KVEventsConfig: its ZMQ publisher on the same ports as our workers' events (PUB, replay); the
     router subscribes at the worker's address (it has no GET /kv_events to ask). vLLM binds the PUB socket only
     for a wildcard host (any other address it connects to), so the PUB is `tcp://*:PORT` even where the worker's
-    HTTP server binds one address; the replay socket always binds, on the worker's host."""
+    HTTP server binds one address (the chart README's security notes say so); the replay socket always binds,
+    at the address peers reach (the pod IP)."""
     pub, replay = placement.kv_events_ports
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-            "replay_endpoint": f"tcp://{placement.host}:{replay}", "topic": KV_EVENTS_TOPIC}
+            "replay_endpoint": f"tcp://{placement.advertise_host}:{replay}", "topic": KV_EVENTS_TOPIC}
 
 
 def _vllm_command(spec: s.DisaggregatedInferenceSpec, role: Role, placement: Placement) -> WorkerCommand:

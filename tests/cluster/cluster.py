@@ -23,7 +23,7 @@ from operator_harness import CR, OperatorThread
 from disagg.operator import spec as s
 
 # what the scenarios apply besides the CR
-EXTRA_KINDS = {("", "v1", "secrets"): Kind("Secret"), ("", "v1", "configmaps"): Kind("ConfigMap", short_names=("cm",)),
+EXTRA_KINDS = {("", "v1", "configmaps"): Kind("ConfigMap", short_names=("cm",)),
                ("", "v1", "persistentvolumeclaims"): Kind("PersistentVolumeClaim", status_subresource=True,
                                                           short_names=("pvc",))}
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / f"{s.PLURAL}.{s.GROUP}.yaml"

@@ -8,7 +8,8 @@ directory a test registered for the claim name (the pod waits, Pending, until th
 The "image": the container's command runs on this host with the image's environment (PATH with `disagg` first:
 a wrapper running this venv's `python -m disagg.worker.cli`), plus KUBECONFIG - the stand-in for the
 service-account mount, so in-pod API clients (the router's discovery) reach the emulator - and the pod network
-shim (pod_network/sitecustomize.py).
+shim (pod_network/sitecustomize.py), whose pod-local 127.0.0.1 needs a directory the pod's containers share
+(mounted in each of them at the node's `pod-loopback` path: one per node, so clusters on one machine never share it).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pod_worker import PodWorker
 log = logging.getLogger(__name__)
 POD_NETWORK_SHIM = Path(__file__).resolve().parent / "pod_network"
 POD_IP_ENV = "CLUSTER_IN_A_BOX_POD_IP"  # read by the shim
+LOOPBACK_ENV = "CLUSTER_IN_A_BOX_LOOPBACK"  # the shim notes the pod's 127.0.0.1 ports there
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -100,6 +102,8 @@ class Kubelet:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
         self._image_path = write_image_bin(settings.root / "image-bin")
+        self.loopback_mount = settings.root / "pod-loopback"  # each container: its pod's own directory here
+        self.loopback_mount.mkdir(parents=True, exist_ok=True)
         settings.log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> Kubelet:
@@ -169,7 +173,7 @@ class Kubelet:
         return {"PATH": f"{self._image_path}:{SYSTEM_PATH}", "HOME": "/", "PYTHONUNBUFFERED": "1",
                 "HF_HOME": "/var/cache/huggingface", "HOSTNAME": pod["metadata"]["name"],
                 "KUBECONFIG": str(self.settings.kubeconfig), "PYTHONPATH": str(POD_NETWORK_SHIM),
-                POD_IP_ENV: pod_ip}
+                POD_IP_ENV: pod_ip, LOOPBACK_ENV: str(self.loopback_mount)}
 
     def lookup(self, namespace: str) -> Any:
         def find(kind: str, name: str) -> dict[str, str] | None:
@@ -189,6 +193,9 @@ class Kubelet:
         for vm in container.get("volumeMounts") or []:
             out.append(Mount(self._volume_dir(pod, volumes[vm["name"]]), vm["mountPath"],
                              bool(vm.get("readOnly"))))
+        loopback = self.settings.root / "pods" / pod["metadata"]["uid"] / "loopback"
+        loopback.mkdir(parents=True, exist_ok=True)
+        out.append(Mount(loopback, str(self.loopback_mount)))
         with self._lock:
             self._created_mount_points += ensure_mount_points(out)
         return out

@@ -1,5 +1,6 @@
-"""Container probes as the kubelet runs them: httpGet (path + named or numbered port) against the pod IP, with
-initialDelaySeconds, periodSeconds, timeoutSeconds, failureThreshold and successThreshold.
+"""Container probes as the kubelet runs them: httpGet (path + named or numbered port) and grpc (gRPC health
+checking: port + service) against the pod IP, with initialDelaySeconds, periodSeconds, timeoutSeconds,
+failureThreshold and successThreshold.
 
 Liveness and readiness wait for the startup probe to succeed; a failed startup or liveness probe restarts the
 container; readiness only decides the Ready condition. `time_scale` shortens every probe period and delay (the
@@ -26,10 +27,29 @@ def resolve_port(port: int | str, container: dict[str, Any]) -> int:
     raise ValueError(f"container {container['name']}: no port named {port!r}")
 
 
-def http_probe(pod_ip: str, container: dict[str, Any], probe: dict[str, Any]) -> bool:
+def grpc_probe(pod_ip: str, probe: dict[str, Any]) -> bool:
+    """SERVING from grpc.health.v1.Health/Check for the probe's service (as the kubelet's gRPC probe)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spec = probe["grpc"]
+    with grpc.insecure_channel(f"{pod_ip}:{int(spec['port'])}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=spec.get("service", "")),
+                timeout=float(probe.get("timeoutSeconds", 1)))
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def run_probe(pod_ip: str, container: dict[str, Any], probe: dict[str, Any]) -> bool:
+    if "grpc" in probe:
+        return grpc_probe(pod_ip, probe)
     get = probe.get("httpGet")
     if get is None:
-        raise ValueError(f"container {container['name']}: only httpGet probes are supported, got {sorted(probe)}")
+        raise ValueError(f"container {container['name']}: only httpGet and grpc probes are supported, got "
+                         f"{sorted(probe)}")
     url = f"http://{pod_ip}:{resolve_port(get['port'], container)}{get.get('path', '/')}"
     try:
         return 200 <= httpx.get(url, timeout=float(probe.get("timeoutSeconds", 1))).status_code < 400
@@ -104,7 +124,7 @@ class ContainerProbes:
             if state is None or not state.due(now) or (kind != "startupProbe" and not self.started) \
                     or (kind == "startupProbe" and state.passing):
                 continue
-            verdict = state.record(http_probe(pod_ip, self.container, state.spec), time.monotonic())
+            verdict = state.record(run_probe(pod_ip, self.container, state.spec), time.monotonic())
             if verdict == "failed" and kind != "readinessProbe":
                 return "restart"
         return None

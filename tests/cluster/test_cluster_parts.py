@@ -158,3 +158,32 @@ def test_an_exited_container_is_restarted_with_its_restart_count(cluster, secret
     assert _log(cluster, "parts-crash").count("\nrun\n") >= 2
     cluster.kubectl("delete", "pod", "parts-crash", "--wait=false")
     wait_for(lambda: cluster.store.get_object("", "v1", "pods", "default", "parts-crash") is None, 15, "pod gone")
+
+
+def test_127_0_0_1_is_each_pods_own_shared_by_its_containers(cluster):
+    """Two pods serve on 127.0.0.1 at the same port (vLLM's place behind pd-proxy): no collision, and each pod's
+    other container reaches its own pod's server there."""
+    import sys
+
+    client = ("import time, urllib.request\n"
+              "while True:\n"
+              "    try: print('got', urllib.request.urlopen('http://127.0.0.1:18080/who', timeout=2).read().decode(),"
+              " flush=True)\n"
+              "    except OSError as e: print('error', e, flush=True)\n"
+              "    time.sleep(0.3)\n")
+    for name in ("parts-lo-a", "parts-lo-b"):
+        cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+                       "spec": {"terminationGracePeriodSeconds": 2, "volumes": [{"name": "data", "emptyDir": {}}],
+                                "containers": [
+                                    {"name": "server", "image": "python", "command": ["sh", "-c",
+                                     f"echo {name} > /data/who && exec {sys.executable} -m http.server 18080 "
+                                     "--bind 127.0.0.1 --directory /data"],
+                                     "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+                                    {"name": "client", "image": "python", "command": [sys.executable, "-c", client]}]}})
+    for name in ("parts-lo-a", "parts-lo-b"):
+        wait_for(lambda name=name: f"got {name}" in _log(cluster, name, "client"), 30, f"{name}'s own server")
+        assert "got parts-lo-" + ("b" if name.endswith("a") else "a") not in _log(cluster, name, "client")
+        cluster.kubectl("delete", "pod", name, "--wait=false")
+    for name in ("parts-lo-a", "parts-lo-b"):
+        wait_for(lambda name=name: cluster.store.get_object("", "v1", "pods", "default", name) is None, 15,
+                 "pod gone")

@@ -3,7 +3,9 @@
 For each install scope (all namespaces, listed namespaces, each with and without peering), render the chart with
 a real helm, run the operator with the rendered container args (the Dockerfile's entrypoint + `args`) against the
 operator tests' emulated API server, drive a create / readiness / autoscaling (up, then down with the
-pod-deletion-cost mark) / update / invalid spec / delete scenario, and compare the API server's request log with the rendered (Cluster)Roles and bindings:
+pod-deletion-cost mark) / update / gateway and NetworkPolicies turned off / invalid spec / delete scenario (the
+resource starts with spec.gateway and an HTTPRoute on), and compare the API server's request log with the rendered
+(Cluster)Roles and bindings:
 (a) every request the operator made is allowed for the operator's ServiceAccount, in the namespace it was made in;
 (b) every granted (group, resource, verb) was requested, or is needed to grant the router's Role (Kubernetes'
     escalation check: the operator can only create a Role with rules it holds itself); a cluster-wide grant in a
@@ -48,8 +50,14 @@ from disagg.worker.local.process import free_port  # noqa: E402
 
 DRIVER = "chart-rbac-test"  # fieldManager of the test's own requests: everything else is the operator's
 RELEASE_NS = "disagg-system"
+# the children the operator patches (the Secret is created once, never patched)
 CHILD_KINDS = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
-               ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings")]
+               ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+               ("networking.k8s.io", "v1", "networkpolicies"), ("inference.networking.k8s.io", "v1", "inferencepools"),
+               ("gateway.networking.k8s.io", "v1", "httproutes")]
+GATEWAY_KINDS = {
+    ("inference.networking.k8s.io", "v1", "inferencepools"): Kind("InferencePool", status_subresource=True),
+    ("gateway.networking.k8s.io", "v1", "httproutes"): Kind("HTTPRoute", status_subresource=True)}
 PEERING_KINDS = {("kopf.dev", "v1", "kopfpeerings"): Kind("KopfPeering"),
                  ("kopf.dev", "v1", "clusterkopfpeerings"): Kind("ClusterKopfPeering", namespaced=False)}
 SCENARIOS = {  # name -> helm values arguments
@@ -243,10 +251,11 @@ def scale_up_and_down(d: Driver, ns: str, name: str, pods: WorkerPods) -> None:
 
 
 def drive(d: Driver, ns: str, example: dict[str, Any]) -> None:
-    """Create, readiness, autoscaling, update, an invalid spec (an Event), deletion (finalizers removed)."""
+    """Create (gateway on), readiness, autoscaling, update, the gateway and NetworkPolicies off (deletions), an
+    invalid spec (an Event), deletion (finalizers removed)."""
     name = example["metadata"]["name"]
     d.send("POST", d.cr_path(ns), example)
-    wait_for(lambda: len(d.deployments(ns)) == 3, 20, "the three Deployments")
+    wait_for(lambda: len(d.deployments(ns)) == 4, 20, "the four Deployments (the endpoint picker's too)")
     d.play_deployment_controller(ns)
     wait_for(lambda: d.condition(ns, name, "Ready") == "True", 10, "Ready=True")
     pods = WorkerPods(d, ns, name)
@@ -269,6 +278,12 @@ def update_upgrade_break_delete(d: Driver, ns: str, name: str, example: dict[str
                {"metadata": {"annotations": {naming.ANNOTATION_LAST_APPLIED: old}}}, merge=True)
     wait_for(lambda: all(obj["metadata"]["annotations"][naming.ANNOTATION_LAST_APPLIED] != old
                          for _, obj in d.children(ns)), 10, "every child patched to the current manifests")
+    # the gateway and the NetworkPolicies turned off: the operator deletes their children
+    d.send("PATCH", d.cr_path(ns, name), {"spec": {"gateway": None, "security": {"networkPolicy": {
+        "enabled": False}}}}, merge=True)
+    wait_for(lambda: not [obj for key, obj in d.children(ns) if key in GATEWAY_KINDS or key[2] ==
+                          "networkpolicies" or obj["metadata"]["name"].endswith(("-epp", "-worker"))],
+             10, "the gateway's children and the NetworkPolicies deleted")
     broken = copy.deepcopy(example)
     broken["metadata"]["name"] = "broken"
     broken["spec"]["autoscaling"]["decode"] = {"minReplicas": 6, "maxReplicas": 2}
@@ -287,7 +302,7 @@ def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, exampl
     serving = served_namespaces(command)
     with EmulatorThread() as api:
         api.emulator.declare(*CR, Kind(s.KIND, status_subresource=True, short_names=tuple(s.SHORT_NAMES)))
-        for key, kind in PEERING_KINDS.items():
+        for key, kind in {**PEERING_KINDS, **GATEWAY_KINDS}.items():
             api.emulator.declare(*key, kind)
         d = Driver(api)
         for ns in {RELEASE_NS, "default", *serving}:
@@ -300,7 +315,10 @@ def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, exampl
         kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(namespace=RELEASE_NS)))
         env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
         env["KUBECONFIG"] = str(kubeconfig)
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # a file, not a pipe: nothing reads a pipe until the end, and an operator blocked on a full one stalls
+        log_path = tmp_path / "operator.log"
+        log = log_path.open("w")
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             drive(d, (serving or ["default"])[0], example)
             probe = wait_for(lambda: _get(f"http://127.0.0.1:{liveness_port}/healthz"), 10, "kopf's liveness")
@@ -318,11 +336,13 @@ def run_operator(docs: list[dict], liveness_port: int, metrics_port: int, exampl
         finally:
             proc.send_signal(signal.SIGINT)
             try:
-                out, _ = proc.communicate(timeout=20)
+                proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 raise
-        assert proc.returncode == 0, out[-4000:]
+            finally:
+                log.close()
+        assert proc.returncode == 0, log_path.read_text()[-4000:]
         return [r for r in api.emulator.requests if r.query.get("fieldManager") != DRIVER]
 
 
@@ -347,6 +367,7 @@ def test_rbac_allows_every_operator_request_and_grants_nothing_unused(scenario, 
                     "--set", f"livenessPort={port}", "--set", "metrics.enabled=true",
                     "--set", f"metrics.port={metrics_port}", namespace=RELEASE_NS)
     example = autoscaling_example(yaml.safe_load((EXAMPLES / "llama3-8b-gpu.yaml").read_text()))
+    example["spec"]["gateway"] = {"enabled": True, "httpRoute": {"gatewayName": "inference-gw"}}
     requests = run_operator(docs, port, metrics_port, example, tmp_path)
     api_requests = [r for r in requests if r.verb and r.resource]
     grants = granted(docs)

@@ -65,6 +65,8 @@ BUILTIN_KINDS: dict[ResKey, Kind] = {
     ("", "v1", "pods"): Kind("Pod", status_subresource=True),
     ("", "v1", "services"): Kind("Service", status_subresource=True),
     ("", "v1", "serviceaccounts"): Kind("ServiceAccount"),
+    ("", "v1", "secrets"): Kind("Secret"),
+    ("networking.k8s.io", "v1", "networkpolicies"): Kind("NetworkPolicy", short_names=("netpol",)),
     ("apps", "v1", "deployments"): Kind("Deployment", status_subresource=True),
     ("rbac.authorization.k8s.io", "v1", "roles"): Kind("Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): Kind("RoleBinding"),

@@ -274,7 +274,9 @@ def test_router_and_services():
 def test_children_are_named_labelled_and_owned():
     children = m.desired_children(OWNER, spec_with())
     names = [(c["kind"], c["metadata"]["name"]) for c in children]
-    assert names == [("ServiceAccount", "llama-router"), ("Role", "llama-router"), ("RoleBinding", "llama-router"),
+    assert names == [("NetworkPolicy", "llama-prefill"), ("NetworkPolicy", "llama-decode"),
+                     ("NetworkPolicy", "llama-router"),
+                     ("ServiceAccount", "llama-router"), ("Role", "llama-router"), ("RoleBinding", "llama-router"),
                      ("Service", "llama-prefill"), ("Service", "llama-decode"), ("Service", "llama"),
                      ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-router")]
     for c in children:

@@ -48,6 +48,10 @@ class FakeCluster:
         self.objects[key] = new
         return copy.deepcopy(new)
 
+    def delete(self, api_version, kind, namespace, name) -> None:
+        self.writes.append(("delete", f"{kind}/{name}", {}))
+        del self.objects[(kind, namespace, name)]
+
     def add_resource(self, doc: dict[str, Any]) -> dict[str, Any]:
         body = apply_merge_patch(doc, {"metadata": {"namespace": "ns", "uid": "uid-1", "generation": 1}})
         self.objects[(s.KIND, "ns", body["metadata"]["name"])] = body
@@ -82,7 +86,8 @@ def test_first_pass_creates_everything_second_pass_writes_nothing():
     cluster = FakeCluster()
     cluster.add_resource(example())
     first = run_pass(cluster)
-    assert len(first.children_written) == 9 and first.status_written
+    # 9 children, 3 NetworkPolicies, the hand-off key's Secret
+    assert len(first.children_written) == 13 and first.status_written
     assert conditions(cluster.resource()) == {"Ready": ("False", "ReplicasNotReady"),
                                               "Progressing": ("True", "RolloutInProgress"),
                                               "Degraded": ("False", "AsExpected")}
@@ -271,3 +276,117 @@ def test_gone_resource_is_a_quiet_pass():
 def test_merge_patch():
     assert r.merge_patch({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": 2}, "e": [1]}) == \
         {"b": {"c": 2, "d": None}, "e": [1], "a": None}
+
+
+# ---------------------------------------------------------------- gateway, security, ownership
+def gateway_example(**gateway: Any) -> dict[str, Any]:
+    doc = example()
+    doc["spec"]["gateway"] = {"enabled": True, **gateway}
+    return doc
+
+
+def test_the_hand_off_key_is_created_once_and_never_rewritten():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    keys = iter(["key-one", "key-two"])
+    r.reconcile(cluster.resource(), cluster, T0, new_key=lambda: next(keys))
+    secret = cluster.get("v1", "Secret", "ns", "llama3-8b-handoff")
+    assert secret["data"] == {"key": "a2V5LW9uZQ=="}  # base64("key-one")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    cluster.writes.clear()
+    r.reconcile(cluster.resource(), cluster, T0, new_key=lambda: next(keys))
+    assert cluster.writes == [] and cluster.get("v1", "Secret", "ns", "llama3-8b-handoff") == secret
+    # the user's own Secret: none is created
+    doc = example()
+    doc["spec"]["security"] = {"handoffKeySecret": {"name": "mine"}}
+    own = FakeCluster()
+    own.add_resource(doc)
+    run_pass(own)
+    assert not [k for k in own.objects if k[0] == "Secret"]
+
+
+def test_the_gateway_adds_its_children_reports_the_pool_and_removes_them_when_turned_off():
+    cluster = FakeCluster()
+    cluster.add_resource(gateway_example(httpRoute={"gatewayName": "gw"}))
+    first = run_pass(cluster)
+    assert {"InferencePool/llama3-8b", "HTTPRoute/llama3-8b", "Deployment/llama3-8b-epp", "Service/llama3-8b-epp",
+            "ServiceAccount/llama3-8b-worker", "NetworkPolicy/llama3-8b-epp"} <= set(first.children_written)
+    cluster.finish_rollouts()
+    run_pass(cluster)
+    status = cluster.resource()["status"]
+    assert status["endpointPicker"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    assert conditions(cluster.resource())["Ready"] == ("True", "ReplicasReady")
+    assert conditions(cluster.resource())["InferencePoolReady"] == ("Unknown", "WaitingForGateway")
+    # the user's gateway controller accepts the pool
+    pool = cluster.objects[("InferencePool", "ns", "llama3-8b")]
+    accepted = {"type": "Accepted", "status": "True", "reason": "Accepted"}
+    pool["status"] = {"parents": [{"parentRef": {"name": "gw"}, "conditions": [
+        accepted, {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef", "message": "no"}]}]}
+    run_pass(cluster)
+    assert conditions(cluster.resource())["InferencePoolReady"] == ("False", "InvalidExtensionRef")
+    pool["status"]["parents"][0]["conditions"][1] = {"type": "ResolvedRefs", "status": "True", "reason": "R"}
+    run_pass(cluster)
+    assert conditions(cluster.resource())["InferencePoolReady"] == ("True", "Accepted")
+    # the endpoint picker's readiness is the resource's
+    cluster.objects[("Deployment", "ns", "llama3-8b-epp")]["status"]["readyReplicas"] = 0
+    run_pass(cluster)
+    assert conditions(cluster.resource())["Degraded"] == ("True", "ReplicasUnavailable")
+    # off: its children go, and so do its status and condition
+    body = cluster.objects[(s.KIND, "ns", "llama3-8b")]
+    body["spec"]["gateway"] = {"enabled": False}
+    result = run_pass(cluster)
+    assert sorted(result.children_removed) == sorted([
+        "NetworkPolicy/llama3-8b-epp", "ServiceAccount/llama3-8b-worker", "Role/llama3-8b-worker",
+        "RoleBinding/llama3-8b-worker", "ServiceAccount/llama3-8b-epp", "Role/llama3-8b-epp",
+        "RoleBinding/llama3-8b-epp", "Service/llama3-8b-epp", "Deployment/llama3-8b-epp",
+        "InferencePool/llama3-8b", "HTTPRoute/llama3-8b"])
+    assert not [k for k in cluster.objects if k[0] in ("InferencePool", "HTTPRoute") or k[2].endswith("-epp")]
+    status = cluster.resource()["status"]
+    assert "endpointPicker" not in status and "InferencePoolReady" not in conditions(cluster.resource())
+    cluster.writes.clear()
+    assert run_pass(cluster).children_removed == [] and cluster.writes == []
+
+
+def test_turning_network_policies_off_removes_only_ours():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    run_pass(cluster)
+    theirs = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": {"name": "llama3-8b-epp", "namespace": "ns"}}  # someone else's, no owner
+    cluster.objects[("NetworkPolicy", "ns", "llama3-8b-epp")] = theirs
+    cluster.objects[(s.KIND, "ns", "llama3-8b")]["spec"]["security"] = {"networkPolicy": {"enabled": False}}
+    result = run_pass(cluster)
+    assert sorted(result.children_removed) == ["NetworkPolicy/llama3-8b-decode", "NetworkPolicy/llama3-8b-prefill",
+                                               "NetworkPolicy/llama3-8b-router"]
+    assert cluster.get("networking.k8s.io/v1", "NetworkPolicy", "ns", "llama3-8b-epp") == theirs
+
+
+def test_an_object_another_controller_owns_is_not_adopted():
+    cluster = FakeCluster()
+    cluster.add_resource(example())
+    foreign = {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "llama3-8b", "namespace": "ns", "labels": {"app": "theirs"},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "theirs", "uid": "x",
+                             "controller": True}]}, "spec": {"selector": {"app": "theirs"}}}
+    cluster.objects[("Service", "ns", "llama3-8b")] = copy.deepcopy(foreign)
+    result = run_pass(cluster)
+    assert [str(c) for c in result.conflicts] == ["Service llama3-8b is controlled by StatefulSet theirs"]
+    assert "Service/llama3-8b" not in result.children_written
+    assert cluster.get("v1", "Service", "ns", "llama3-8b") == foreign  # not patched
+    assert conditions(cluster.resource())["Degraded"] == ("True", "ChildOwnedElsewhere")
+    assert "StatefulSet theirs" in conditions_message(cluster, "Ready")
+    # a Deployment owned elsewhere counts as not there
+    cluster.finish_rollouts()
+    dep = cluster.objects[("Deployment", "ns", "llama3-8b-decode")]
+    dep["metadata"]["ownerReferences"] = [{"kind": "Other", "name": "o", "uid": "y", "controller": True}]
+    result = run_pass(cluster)
+    assert {c.name for c in result.conflicts} == {"llama3-8b", "llama3-8b-decode"}
+    assert cluster.resource()["status"]["decode"]["readyReplicas"] == 0
+    # an object without a controller keeps today's behaviour: adopted (patched, our owner reference)
+    cluster.objects[("Service", "ns", "llama3-8b")]["metadata"]["ownerReferences"] = []
+    dep["metadata"]["ownerReferences"] = [{"kind": "Other", "name": "o", "uid": "y"}]  # owner, not controller
+    result = run_pass(cluster)
+    assert result.conflicts == [] and "Service/llama3-8b" in result.children_written
+    svc = cluster.get("v1", "Service", "ns", "llama3-8b")
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert conditions(cluster.resource())["Degraded"][1] != "ChildOwnedElsewhere"

@@ -30,6 +30,7 @@ ROUTERS = {
                "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40},
                "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5}},
     "extra-args": {"extraArgs": ["--log-level", "DEBUG", "--no-early-first-token"]},
+    "auth-tls": {"auth": {"secretName": "client-keys"}, "tls": {"secretName": "router-tls"}},
 }
 TARGETS = ("kubernetes", "local-static", "local-file")
 VARIANTS = list(itertools.product(POLICIES, BASES, (False, True), ROUTERS, TARGETS))
@@ -102,6 +103,9 @@ def test_every_router_command_parses_with_the_routers_parser(policy, engine, aut
         events = (args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
         assert events == ((*naming.KV_EVENTS_PORTS, naming.KV_EVENTS_TOPIC) if policy == "prefix-aware"
                           else (None, None, ""))
+        # spec.router.tls: the Secret's files where the pod mounts it
+        assert (args.tls_cert_file, args.tls_key_file) == (
+            ("/etc/disagg/tls/tls.crt", "/etc/disagg/tls/tls.key") if router == "auth-tls" else (None, None))
         return
     # disagg up: its own interpreter, loopback, the launcher's probe interval; the workers announce their
     # KV-events ports in the endpoints file

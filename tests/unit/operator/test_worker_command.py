@@ -192,7 +192,8 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     spec = s.parse_spec(doc["spec"])
     assert argv[:3] == ["vllm", "serve", pod_model_dir(spec)]  # the positional model, as the fetch-model dest
     assert pod["image"] == doc["spec"]["engineImage"]
-    assert flag_value(argv, "--port") == str(naming.HTTP_PORT)
+    # vLLM listens on the pod's loopback; `disagg pd-proxy` owns the pod's HTTP port (test_pd_proxy_command.py)
+    assert (flag_value(argv, "--host"), flag_value(argv, "--port")) == ("127.0.0.1", str(naming.ENGINE_PORT))
     assert flag_value(argv, "--served-model-name") == doc["spec"]["model"]["servedName"]
     tp = doc["spec"][role]["tensorParallelSize"]
     assert flag_value(argv, "--tensor-parallel-size") == str(tp)
@@ -210,9 +211,10 @@ def test_vllm_pods_run_vllm_serve_with_nixl_per_role(role, kv_role):
     # the kubelet expands $(POD_IP) only from variables declared before it
     assert list(env).index("POD_IP") < list(env).index("VLLM_NIXL_SIDE_CHANNEL_HOST")
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(naming.SIDE_CHANNEL_PORT)
-    assert {p["containerPort"] for p in pod["ports"]} == {naming.HTTP_PORT, naming.SIDE_CHANNEL_PORT}
-    # vLLM has no /ready; every probe is on /health
-    assert {pod[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
+    assert {p["containerPort"] for p in pod["ports"]} == {naming.SIDE_CHANNEL_PORT}
+    # the probes are the pd-proxy's (its /ready; /health passes through to vLLM)
+    assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(pod)
+    assert "DISAGG_HANDOFF_KEY" not in env, "vLLM never sees the hand-off key"
     gpus = pod["resources"]["limits"]["nvidia.com/gpu"]
     assert gpus == pod["resources"]["requests"]["nvidia.com/gpu"] == str(max(tp, 1))
 
@@ -316,7 +318,9 @@ def test_prefix_aware_turns_on_the_workers_kv_events_and_exposes_their_ports(tmp
     for role in ("prefill", "decode"):
         c = next(c for n, c in pod_containers(doc) if n == f"llama-{role}" and c["name"] == role)
         args = parse_like_the_pod([*c["command"], *c["args"]], env)
-        assert args.kv_events_endpoint == "tcp://0.0.0.0:5557" and args.kv_events_replay_endpoint.endswith(":5558")
+        # at the pod IP, never a wildcard: the events carry the prompts' token ids
+        assert (args.kv_events_endpoint, args.kv_events_replay_endpoint) == ("tcp://10.1.2.3:5557",
+                                                                             "tcp://10.1.2.3:5558")
         assert {p["name"]: p["containerPort"] for p in c["ports"]}.items() >= {"kv-events": 5557,
                                                                               "kv-events-replay": 5558}.items()
     router = next(c for n, c in pod_containers(doc) if n == "llama-router")
@@ -341,8 +345,9 @@ def test_prefix_aware_with_vllm_workers_turns_on_vllms_kv_events_on_the_fixed_po
         c = worker_container(doc, role)
         argv = [*c["command"], *c["args"]]
         events = json.loads(flag_value(argv, "--kv-events-config"))
+        # vLLM binds its PUB only at a wildcard (the chart README says so); the replay at the pod IP
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
-                          "replay_endpoint": "tcp://0.0.0.0:5558", "topic": "kv-events"}
+                          "replay_endpoint": "tcp://$(POD_IP):5558", "topic": "kv-events"}
         assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
         assert {p["name"]: p["containerPort"] for p in c["ports"]}.items() >= {"kv-events": 5557,
                                                                               "kv-events-replay": 5558}.items()
