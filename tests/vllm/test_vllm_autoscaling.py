@@ -3,11 +3,13 @@ small machine): a decode bottleneck and a prefill bottleneck reproduced with rea
 router, one after the other on one set. /status (the same run_pass as the operator) tells the pool that would
 grow and the signals that decided it, vLLM's own and those the router measured for it (pending sends).
 
-- decode bottleneck: long generations from short prompts, more than the decode runs at once (4; its KV cache is
-  small too, 32 blocks, against a 30% usage target): the other requests' hand-offs wait at the prefill to be
-  pulled (the router's pending sends; vLLM has no such gauge) while the prefill is idle (one-step prompts).
-- prefill bottleneck: long prompts, 2 tokens each. The prefill runs one request at a time in 32-token chunks, so
-  prompts queue there (vllm:num_requests_waiting over 2 per pod) while the decode keeps up."""
+- decode bottleneck: long generations from short prompts. The decode's KV cache is 8 blocks of 128 tokens and it
+  runs 4 requests at most: its KV usage passes the 40% target and fills, and the other requests' hand-offs wait
+  at the prefill to be pulled (the router's pending sends; vLLM has no such gauge); the prefill is idle
+  (one-step prompts).
+- prefill bottleneck: prompts of a block (128 tokens), 2 tokens generated each. The prefill runs one request at a
+  time in 16-token chunks, so prompts queue there (vllm:num_requests_waiting over 2 per pod) while the decode
+  keeps up, holding a block per request."""
 from __future__ import annotations
 
 import functools
@@ -33,14 +35,16 @@ def autoscaling_spec(model_dir: str) -> dict:
     spec = pd_spec(model_dir, MODEL)
     # a core each: with autoscaling, disagg up's core split counts every replica the pools may grow to (4 > 2
     # cores), which would put prefill-0 and decode-0 on one core
-    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "32"]),
-                             ("decode", "1", ["--num-gpu-blocks-override", "32", "--max-num-seqs", "4"])):
+    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "16"]),
+                             ("decode", "1", ["--num-gpu-blocks-override", "8", "--max-num-seqs", "4"])):
         spec[role]["env"] = [*spec[role]["env"], {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core}]
         spec[role]["extraArgs"] = args
+    # a vLLM API server on a starved 2-core machine took over the router's default 5 s to accept a connection
+    spec["router"]["timeouts"] = {"connectSeconds": 60}
     spec["autoscaling"] = {
         "enabled": True, "dryRun": True, "intervalSeconds": 1,
         "prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2},
-        "targets": {"prefill": {"waitingRequestsPerPod": 2}, "decode": {"kvCacheUsagePercent": 30}},
+        "targets": {"prefill": {"waitingRequestsPerPod": 2}, "decode": {"kvCacheUsagePercent": 40}},
         "stabilization": {"scaleUpSeconds": 0, "scaleDownSeconds": 600},
     }
     return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference",
@@ -79,7 +83,8 @@ class Load:
 
 
 def long_prompt(model_dir: str, tokens: int) -> str:
-    """Words of the tiny checkpoint's corpus making about `tokens` tokens."""
+    """Words making about `tokens` tokens of the tiny checkpoint's tokenizer (a few more with the request's
+    numbers in front)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
@@ -124,11 +129,13 @@ def _scenario(up: dict, load: Load, role: str) -> tuple[dict, dict, list]:
     return event, status, others
 
 
-def test_decode_bottleneck_scales_decode_by_kv_usage_and_the_routers_pending_sends(up):
+def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
     t0 = time.monotonic()
     event, status, others = _scenario(up, Load(up["router"], CLIENTS, "the quick brown fox", 200, 0.25), "decode")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "DecodeBound", True), event
     assert event["decidedBy"] and set(event["decidedBy"]) <= {"kvCacheUsage", "pendingSends"}, event
+    m = event["metrics"]
+    assert m["decode_kv_cache_usage"] > 0.4 or m["prefill_pending_sends_per_pod"] > 2, event
     assert others == [], "prefill is idle: it never scales for a decode shortage"
     # vLLM exports no pending sends: the decision read them from the router's per-endpoint view
     roles = status["autoscaling"]["lastDecision"]["roles"]
@@ -140,7 +147,7 @@ def test_decode_bottleneck_scales_decode_by_kv_usage_and_the_routers_pending_sen
 
 def test_prefill_bottleneck_scales_prefill_by_its_queue(up):
     t0 = time.monotonic()
-    prompt = long_prompt(up["model_dir"], 420)
+    prompt = long_prompt(up["model_dir"], 116)  # one block with the numbers in front
     event, status, others = _scenario(up, Load(up["router"], CLIENTS, prompt, 2), "prefill")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "PrefillBound", True), event
     assert event["decidedBy"] == ["waitingRequests"], event
