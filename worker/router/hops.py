@@ -204,7 +204,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
                 state.decode.mark_ok(ep)
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
-                _settle(state, carried, consumed=resp.status_code < 400)
+                settle_handoff(state, carried, consumed=resp.status_code < 400)
                 return Reply(resp.status_code, content, headers=headers)
             chunks = resp.aiter_raw()
             # before the first byte, a failure can still be retried
@@ -213,7 +213,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             if resp is not None:
                 await resp.aclose()
             ep.outstanding -= 1
-            _settle(state, carried, consumed=False)
+            settle_handoff(state, carried, consumed=False)
             if isinstance(e, HopTimeout):
                 state.hop_timed_out(state.decode, ep, "decode", start, e)
                 timed_out = f"{ep.url}: {e}"
@@ -221,15 +221,16 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 state.hop_failed(state.decode, ep, "decode", start, f"{type(e).__name__}: {e}")
             continue
         state.decode.mark_ok(ep)
-        _settle(state, carried, consumed=True)
+        settle_handoff(state, carried, consumed=True)
         if count_first_byte:
             state.metrics.first_byte(time.monotonic() - deadline.started)
         return DecodeStream(ep, resp, first, chunks, start)
     return _no_decode_answer(state, tried, timed_out, deadline)
 
 
-def _settle(state: RouterState, ticket: str | None, consumed: bool) -> None:
-    """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed."""
+def settle_handoff(state: RouterState, ticket: str | None, consumed: bool) -> None:
+    """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed; also a
+    decode worker's own prefill hop once its engine admitted the request (server/pd_hop.py)."""
     if ticket is None:
         return
     if not consumed:
