@@ -244,7 +244,7 @@ def test_every_dashboard_query_parses_names_exported_metrics_and_returns_series(
     """Every query returns series, except one whose metrics the panel's description names as our engine's only
     (vLLM exports no such metric); every panel shows something."""
     exported = exported_metric_names()
-    empty, dark = [], []
+    empty, dark, answered, total = [], [], 0, 0
     for panel in stack.dashboard["panels"]:
         shown = False
         for title, expr in dashboard_queries({"panels": [panel]}):
@@ -253,12 +253,14 @@ def test_every_dashboard_query_parses_names_exported_metrics_and_returns_series(
             answer = stack.prom.query(substitute(expr, VARIABLES))
             assert answer["status"] == "success", f"{title}: {expr}: {answer.get('error')}"
             shown = shown or bool(answer["data"]["result"])
+            answered, total = answered + bool(answer["data"]["result"]), total + 1
             said = "our engine only" in panel.get("description", "") and all(
                 n.removesuffix("_total") in panel["description"] for n in names)
             if not answer["data"]["result"] and not (stack.engine == "vllm" and said):
                 empty.append(f"{title}: {expr}")
         if panel.get("targets") and not shown:
             dark.append(panel["title"])
+    print(f"\n{stack.engine}: {answered} of {total} dashboard queries return series")
     assert not empty, "queries without series:\n" + "\n".join(empty)
     assert not dark, f"panels without series: {dark}"
 
