@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -115,9 +116,23 @@ def _event(up: dict, role: str, since: int) -> dict | None:
     return next((e for e in events if e["role"] == role), None)
 
 
-def _scenario(up: dict, load: Load, role: str) -> tuple[dict, dict, list]:
-    """Run `load` until the autoscaler tells a change of `role`; (that event, /status then, other roles' events)."""
-    since = len(_status(up)["autoscaling"]["events"])
+def _quiet(up: dict) -> int:
+    """The number of events told so far, once a decision made after the previous scenario's last request is out
+    (one whose pass began before that scraped its tail: its events are not this scenario's)."""
+    after = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
+
+    def later() -> bool:
+        last = _status(up)["autoscaling"]["lastDecision"]  # None until the first pass is out
+        return last is not None and last["time"] > after
+
+    wait_for(later, 120, "a decision after the last load (the first: after disagg up's first request)")
+    return len(_status(up)["autoscaling"]["events"])
+
+
+def _scenario(up: dict, start_load: Callable[[], Load], role: str) -> tuple[dict, dict, list]:
+    """Run a load until the autoscaler tells a change of `role`; (that event, /status then, other roles' events)."""
+    since = _quiet(up)
+    load = start_load()
     try:
         event = wait_for(lambda: _event(up, role, since), SCENARIO_S,
                          f"a {role} scale-up\n{up['output']()}")
@@ -131,7 +146,8 @@ def _scenario(up: dict, load: Load, role: str) -> tuple[dict, dict, list]:
 
 def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
     t0 = time.monotonic()
-    event, status, others = _scenario(up, Load(up["router"], CLIENTS, "the quick brown fox", 200, 0.25), "decode")
+    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, "the quick brown fox", 200, 0.25),
+                                      "decode")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "DecodeBound", True), event
     assert event["decidedBy"] and set(event["decidedBy"]) <= {"kvCacheUsage", "pendingSends"}, event
     m = event["metrics"]
@@ -148,7 +164,7 @@ def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
 def test_prefill_bottleneck_scales_prefill_by_its_queue(up):
     t0 = time.monotonic()
     prompt = long_prompt(up["model_dir"], 116)  # one block with the numbers in front
-    event, status, others = _scenario(up, Load(up["router"], CLIENTS, prompt, 2), "prefill")
+    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, prompt, 2), "prefill")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "PrefillBound", True), event
     assert event["decidedBy"] == ["waitingRequests"], event
     assert event["metrics"]["prefill_waiting_requests_per_pod"] > 2, event
