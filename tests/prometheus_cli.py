@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,15 @@ def binary(name: str) -> str | None:
 def exported_metric_names() -> set[str]:
     """Every series name the three exporters can emit (counters with _total, histograms' three series), plus up."""
     from disagg.operator.autoscaling.cluster import OperatorMetrics
+    from disagg.worker.router.handoffs import HandoffLedger
     from disagg.worker.router.metrics import RouterMetrics
     from disagg.worker.server.metrics import WorkerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     names = {"up"}
-    for registry in (WorkerMetrics("m", "decode").registry, RouterMetrics("m").registry, OperatorMetrics().registry):
+    router = RouterMetrics("m")  # with its per-endpoint hand-off gauges, as a router with endpoints has them
+    router.watch_handoffs(HandoffLedger(), lambda: [("prefill", "http://p", "p-0"), ("decode", "http://d", "d-0")])
+    for registry in (WorkerMetrics("m", "decode").registry, router.registry, OperatorMetrics().registry):
         for family in registry.collect():
             names |= {family.name + s for s in suffixes[family.type]}
     return names
@@ -61,6 +65,86 @@ def render_monitoring(helm_home: Path, *args: str) -> tuple[dict[str, Any], dict
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")]
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     return cm, rule
+
+
+def render_worker_pod_monitor(helm_home: Path, *args: str) -> dict[str, Any]:
+    """The chart's PodMonitor of the worker pods (monitoring.workers.podMonitor.enabled)."""
+    docs = template(CHART, helm_home, "--set", "monitoring.workers.podMonitor.enabled=true", *args)
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-workers")]
+    return pm
+
+
+@dataclass(frozen=True)
+class DiscoveredPod:
+    """A pod as Kubernetes pod discovery would find it: one container port serving /metrics."""
+
+    address: str  # host:port
+    namespace: str
+    pod: str
+    labels: dict[str, str]  # the pod's labels (as the operator sets them)
+    container: str = "worker"
+    port_name: str = "http"
+
+
+def sanitized(label: str) -> str:
+    """A Kubernetes label key as Prometheus' pod discovery names it (__meta_kubernetes_pod_label_<this>)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
+                "regex": "regex", "modulus": "modulus", "replacement": "replacement", "action": "action"}
+
+
+def relabel_config(rule: dict[str, Any]) -> dict[str, Any]:
+    """A prometheus-operator RelabelConfig as Prometheus' relabel_config (it lowercases the action)."""
+    unknown = set(rule) - RELABEL_KEYS.keys()
+    assert not unknown, f"relabeling keys this converter does not know: {sorted(unknown)}"
+    out = {RELABEL_KEYS[k]: v for k, v in rule.items()}
+    if "action" in out:
+        out["action"] = out["action"].lower()
+    return out
+
+
+def pod_monitor_scrape_config(pm: dict[str, Any], targets: list[DiscoveredPod]) -> dict[str, Any]:
+    """The scrape config the Prometheus Operator generates for the PodMonitor's one endpoint (its
+    generatePodMonitorConfig: keep the pods its selector and port match; namespace, container and pod labels;
+    podTargetLabels; job, then jobLabel; endpoint; then the endpoint's own relabelings), with static targets in
+    place of Kubernetes discovery: each carries the __meta_kubernetes_* labels pod discovery gives a pod, so the
+    relabeling really runs, and a pod the PodMonitor would not select is dropped."""
+    spec = pm["spec"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    rules: list[dict[str, Any]] = [
+        {"source_labels": [f"__meta_kubernetes_pod_label_{sanitized(k)}",
+                           f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}"], "action": "keep",
+         "regex": f"({v});true"} for k, v in sorted(spec["selector"]["matchLabels"].items())]
+    rules += [{"source_labels": ["__meta_kubernetes_pod_container_port_name"], "action": "keep",
+               "regex": endpoint["port"]},
+              {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+              {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+              {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}]
+    rules += [{"source_labels": [f"__meta_kubernetes_pod_label_{sanitized(k)}"], "regex": "(.+)",
+               "replacement": "${1}", "target_label": sanitized(k)} for k in spec.get("podTargetLabels", ())]
+    rules.append({"target_label": "job", "replacement": f"{pm['metadata']['namespace']}/{pm['metadata']['name']}"})
+    if spec.get("jobLabel"):
+        rules.append({"source_labels": [f"__meta_kubernetes_pod_label_{sanitized(spec['jobLabel'])}"],
+                      "regex": "(.+)", "replacement": "${1}", "target_label": "job"})
+    rules.append({"target_label": "endpoint", "replacement": endpoint["port"]})
+    rules += [relabel_config(r) for r in endpoint.get("relabelings", ())]
+
+    def discovered(t: DiscoveredPod) -> dict[str, str]:
+        meta = {"__meta_kubernetes_namespace": t.namespace, "__meta_kubernetes_pod_name": t.pod,
+                "__meta_kubernetes_pod_container_name": t.container,
+                "__meta_kubernetes_pod_container_port_name": t.port_name}
+        for k, v in t.labels.items():
+            meta[f"__meta_kubernetes_pod_label_{sanitized(k)}"] = v
+            meta[f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}"] = "true"
+        return meta
+
+    return {"job_name": f"podMonitor/{pm['metadata']['namespace']}/{pm['metadata']['name']}/0",
+            "honor_labels": bool(endpoint.get("honorLabels", False)), "metrics_path": endpoint.get("path", "/metrics"),
+            "static_configs": [{"targets": [t.address], "labels": discovered(t)} for t in targets],
+            "relabel_configs": rules,
+            "metric_relabel_configs": [relabel_config(r) for r in endpoint.get("metricRelabelings", ())]}
 
 
 def write_rules_file(rule: dict[str, Any], path: Path) -> Path:

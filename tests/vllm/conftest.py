@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 import waiting
 
-from vllm_env import ALONE_ENV, ENGINE_ARGS, KINDS, MODEL, STARTUP_S, VLLM_ENV, generate
+from vllm_env import ALONE_ENV, ENGINE_ARGS, KINDS, MODEL, STARTUP_S, generate
+from vllm_fleet import SKIP_REASON, VLLM_ENV, write_vllm_checkpoint
 
 from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port, is_ready
-
-SKIP_REASON = (f"{VLLM_ENV} is not set: run .ci/install-vllm.sh and export {VLLM_ENV}=<the path it prints> "
-               "to run the vLLM tier")
 
 
 def pytest_collection_modifyitems(items):
@@ -36,11 +34,7 @@ def vllm_executable() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama vLLM's CPU attention runs (head size 64), with our word-level tokenizer."""
-    from disagg.worker.model import write_tiny_checkpoint
-
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("vllm-tiny"), hidden_size=256, num_heads=4,
-                                     num_kv_heads=2, intermediate_size=512, num_layers=2))
+    return write_vllm_checkpoint(tmp_path_factory.mktemp("vllm-tiny"))
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 import waiting
-from vllm_env import ENGINE_ARGS, ENGINE_ENV, KINDS, MODEL, STARTUP_S, disagg_up, generate  # noqa: F401 (re-exported)
+from vllm_env import KINDS, MODEL, disagg_up, generate
+from vllm_fleet import ENGINE_ARGS, STARTUP_S, pd_spec  # noqa: F401 (re-exported)
 
 from disagg.worker.local.process import free_port
 
@@ -21,15 +22,11 @@ wait_for = functools.partial(waiting.wait_for, interval=0.5)
 
 
 def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> dict:
-    env = [{"name": k, "value": v} for k, v in ENGINE_ENV.items()]
+    spec = pd_spec(model_dir, MODEL)
+    spec["prefill"]["terminationGracePeriodSeconds"] = grace_s
+    spec["decode"].update(replicas=decode_replicas, terminationGracePeriodSeconds=grace_s)
     return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": "vllm-up"},
-            "spec": {"engine": "vllm", "engineArgs": ENGINE_ARGS,
-                     "model": {"servedName": MODEL, "source": {"path": model_dir}, "dtype": "float32",
-                               "maxModelLen": 512},
-                     "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 60},
-                     "prefill": {"replicas": 1, "env": env, "terminationGracePeriodSeconds": grace_s},
-                     "decode": {"replicas": decode_replicas, "env": env, "terminationGracePeriodSeconds": grace_s},
-                     "router": {"policy": "least-loaded"}}}
+            "spec": spec}
 
 
 def metric_sum(url: str, name: str) -> float:

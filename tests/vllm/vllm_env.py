@@ -17,18 +17,14 @@ import yaml
 
 from disagg.worker.local.launcher import FIRST_REQUEST_TIMEOUT_S
 
-VLLM_ENV = "DISAGG_VLLM"  # the `vllm` executable (the launcher .ci/install-vllm.sh writes)
-# what vLLM's CPU build needs on a small machine: a bounded KV cache (GiB). `disagg up` gives each vLLM process
-# cores of its own (launcher.vllm_cpu_bind); one vLLM alone binds to every core
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+from vllm_fleet import ENGINE_ARGS, ENGINE_ENV, STARTUP_S, VLLM_ENV  # noqa: F401 (the tier's modules import them from here)
+
 ALONE_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}"}
 
 MODEL = "tiny-vllm"
 PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
 KINDS = ("completion", "chat")
-STARTUP_S = 400  # two or three vLLM processes starting on two cores
-ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]  # eager: starts faster, same tokens
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "disagg.worker.cli"]

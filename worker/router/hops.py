@@ -224,7 +224,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 await within(resp.aread(), deadline, "idle")
                 freed = False
                 saturated(state, state.decode, ep, resp.headers.get("retry-after"))
-                _settle(state, carried, consumed=False)
+                settle_handoff(state, carried, consumed=False)
                 continue
             if resp.status_code >= 500:
                 await within(resp.aread(), deadline, "idle")
@@ -236,17 +236,17 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
                 state.decode.mark_ok(ep)
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
-                _settle(state, carried, consumed=resp.status_code < 400)
+                settle_handoff(state, carried, consumed=resp.status_code < 400)
                 return Reply(resp.status_code, content, headers=headers)
             chunks = resp.aiter_raw()
             # before the first byte, a failure can still be retried
             first = await within(chunks.__anext__(), deadline, "first_byte", since=start, hung=ep.unresponsive)
         except httpx.PoolTimeout:
-            _settle(state, carried, consumed=False)
+            settle_handoff(state, carried, consumed=False)
             return busy_reply(state, headers)
         except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
             failed.add(ep.url)
-            _settle(state, carried, consumed=False)
+            settle_handoff(state, carried, consumed=False)
             if isinstance(e, HopTimeout):
                 state.hop_timed_out(state.decode, ep, "decode", start, e)
                 timed_out = f"{ep.url}: {e}"
@@ -261,15 +261,16 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                     await resp.aclose()
                 released(state, state.decode, ep, freed)
         state.decode.mark_ok(ep)
-        _settle(state, carried, consumed=True)
+        settle_handoff(state, carried, consumed=True)
         if count_first_byte:
             state.metrics.first_byte(time.monotonic() - deadline.started)
         return DecodeStream(ep, resp, first, chunks, start)
     return _no_decode_answer(state, tried, timed_out, deadline)
 
 
-def _settle(state: RouterState, ticket: str | None, consumed: bool) -> None:
-    """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed."""
+def settle_handoff(state: RouterState, ticket: str | None, consumed: bool) -> None:
+    """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed; also a
+    decode worker's own prefill hop once its engine admitted the request (server/pd_hop.py)."""
     if ticket is None:
         return
     if not consumed:

@@ -158,7 +158,7 @@ async def _generate(state: Any, request: Any, path: str, engine_url: str, role: 
     deadline = Deadline(state.timeouts)
     if role == "prefill":
         return await _prefill(state, engine_url, path, body, headers, deadline, signer, lease_s)
-    handoff = None
+    handoff, ticket = None, None  # ticket: the hand-off of this proxy's own prefill hop, in its ledger
     if body.get(HANDOFF_FIELD) is not None:
         try:
             handoff = Handoff.parse(body[HANDOFF_FIELD])
@@ -172,7 +172,7 @@ async def _generate(state: Any, request: Any, path: str, engine_url: str, role: 
         outcome = await prefill_for(state, target, path, body, headers)
         if isinstance(outcome, Reply):
             return outcome
-        handoff = outcome.handoff
+        handoff, ticket = outcome.handoff, outcome.ticket
         if handoff is not None and signer is not None:
             try:
                 signer.verify(handoff)
@@ -183,8 +183,9 @@ async def _generate(state: Any, request: Any, path: str, engine_url: str, role: 
     d_body = {**body, HANDOFF_FIELD: handoff.to_wire()} if handoff else \
         {k: v for k, v in body.items() if k != HANDOFF_FIELD}
     alone = {k: v for k, v in body.items() if k != HANDOFF_FIELD}
+    # with the ticket, the engine's first byte ends the pending send (else it read pending until its lease end)
     opened = await open_decode(state, RoutePlan(), path, d_body, alone, headers, deadline,
-                               bool(body.get("stream")), None)
+                               bool(body.get("stream")), None, ticket=ticket)
     if isinstance(opened, Reply):
         return opened
     return Reply(200, stream=relay(state, opened, deadline), headers=headers)

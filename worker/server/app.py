@@ -20,6 +20,7 @@ from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.router.decode_side import PREFILL_HEADER
+from disagg.worker.router.hops import settle_handoff
 from disagg.worker.server.pd_hop import merged_metrics, prefill_remotely
 from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.server.protocol import (
@@ -154,11 +155,14 @@ async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, 
                                           state.signer)
         if isinstance(prepared, Response):
             return prepared
-        raw, first_chunk, verified = prepared
+        raw, first_chunk, verified, ticket = prepared
     else:
-        verified = False
+        verified, ticket = False, None
     try:
         job = await _admit(state, raw, request_id, kind, verified)
+        # the hand-off reached its decode (this engine; its own disagg:kv_pending_loads counts the KV's wait):
+        # no longer a pending send in the hop's per-endpoint view (a refused one stays until its lease end)
+        settle_handoff(state.pd, ticket, consumed=True)
     except APIError as e:
         if e.status >= 500:
             logger.warning("rejected a request: %s", e.message)

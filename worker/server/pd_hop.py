@@ -28,28 +28,29 @@ logger = logging.getLogger(__name__)
 
 async def prefill_remotely(pd: RouterState, path: str, raw: bytes, target: str, request_id: str,
                            early_first_token: bool, signer: Any = None
-                           ) -> tuple[bytes, bytes | None, bool] | Response:
+                           ) -> tuple[bytes, bytes | None, bool, str | None] | Response:
     """(the body to admit - with the prefill's hand-off when one came -, the client's first SSE chunk or None,
-    whether that hand-off was checked here against `signer`), or the prefill's own rejection of the request."""
+    whether that hand-off was checked here against `signer`, its ticket in `pd`'s hand-off ledger: settle it with
+    hops.settle_handoff once the engine admitted the request), or the prefill's own rejection of the request."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        return raw, None, False  # admission answers the malformed body
+        return raw, None, False, None  # admission answers the malformed body
     if not isinstance(body, dict) or body.get(HANDOFF_FIELD) is not None or check_max_tokens(body) \
             or needs_prompt_logits(body):
-        return raw, None, False  # admission answers it (a hand-off given is checked as any other)
+        return raw, None, False, None  # admission answers it (a hand-off given is checked as any other)
     outcome = await prefill_for(pd, target, path, body, {"X-Request-Id": request_id})
     if isinstance(outcome, Reply):  # the prefill's rejection, or every prefill at capacity (429, Retry-After)
         headers = {k: v for k, v in (outcome.headers or {}).items() if k.lower() == "retry-after"}
         return Response(outcome.content, status_code=outcome.status, media_type="application/json",
                         headers=headers or None)
     if outcome.handoff is None or not _signed_here(signer, outcome.handoff, request_id):
-        return raw, None, False
+        return raw, None, False, None  # a refused hand-off stays pending at its prefill until its lease end
     first = early_first_chunk(body, path, outcome.answer, outcome.handoff) if early_first_token else None
     handoff = outcome.handoff.delivering(outcome.handoff.output_token_ids) if first is not None else outcome.handoff
     if first is not None:
         pd.metrics.early_first_token()
-    return json.dumps({**body, HANDOFF_FIELD: handoff.to_wire()}).encode(), first, signer is not None
+    return json.dumps({**body, HANDOFF_FIELD: handoff.to_wire()}).encode(), first, signer is not None, outcome.ticket
 
 
 def _signed_here(signer: Any, handoff: Any, request_id: str) -> bool:

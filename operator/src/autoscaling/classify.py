@@ -4,7 +4,7 @@ ahead (`project`) and proportional to its metrics against the targets, gated by 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleMetrics
 
@@ -64,6 +64,12 @@ def project(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autosc
 
 
 # ---------------------------------------------------------------- classification: who may scale, and why
+# the signals (inputs.SIGNALS names) behind each role's target ratios, in classify's order, and behind its projection
+PREFILL_TARGET_SIGNALS = ("waitingRequests", "waitingPromptTokens", "timeToFirstToken")
+DECODE_TARGET_SIGNALS = ("kvCacheUsage", "interTokenLatency")
+PROJECTED_SIGNAL = {"prefill": "promptTokensRate", "decode": "kvCacheUsage"}
+
+
 @dataclass
 class Classification:
     bottleneck: str | None
@@ -71,6 +77,8 @@ class Classification:
     reasons: dict[str, str]  # role -> reason for it
     metrics: dict[str, float | None]
     transfer_message: str = ""
+    # role -> the signals (inputs.SIGNALS names) whose recommendation this role's is, or that held it back
+    decided_by: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _desired_for(current: int, ratio: float | None, tolerance: float, ready: int | None = None) -> int | None:
@@ -119,14 +127,16 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
     aware = policy.scale_up_lookahead_seconds > 0
     p_recs = [_desired_for(cp, r, tol, p.pods if aware else None) for r in p_ratios]
     d_recs = [_desired_for(cd, r, tol, d.pods if aware else None) for r in d_ratios]
-    rec = {"prefill": max([x for x in p_recs if x is not None], default=cp),
-           "decode": max([x for x in d_recs if x is not None], default=cd)}
+    # role -> signal -> the replicas it asks for (the role's recommendation is the largest)
+    asks = {"prefill": {n: x for n, x in zip(PREFILL_TARGET_SIGNALS, p_recs) if x is not None},
+            "decode": {n: x for n, x in zip(DECODE_TARGET_SIGNALS, d_recs) if x is not None}}
+    rec = {"prefill": max(asks["prefill"].values(), default=cp), "decode": max(asks["decode"].values(), default=cd)}
     for role, (need, floor) in (projected or {}).items():
         c, n = current.get(role, 0), math.ceil(need - 1e-9)
         if need > c * (1 + tol):
-            rec[role] = max(rec[role], n)
+            rec[role] = asks[role][PROJECTED_SIGNAL[role]] = max(rec[role], n)
         elif floor and rec[role] < c:  # a latency under target says little about how many pods the load needs
-            rec[role] = max(rec[role], min(c, n))
+            rec[role] = asks[role][PROJECTED_SIGNAL[role]] = max(rec[role], min(c, n))
     p_over, d_over = rec["prefill"] > cp, rec["decode"] > cd
     backlog = sends_ratio > 1 + tol or expired > 0  # KV waits at prefill to be pulled
     slow: list[str] = []
@@ -138,6 +148,7 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
         slow.append(f"{failed:.0f} failed transfers")
 
     blocked: dict[str, str] = {}  # role -> why it does not scale up
+    held_by: list[str] = []  # the signals that blocked it
     # decode's KV also holds requests whose KV is still in flight, so with slow transfers only ITL says decode is
     # short of compute
     itl_over = d.itl is not None and policy.itl_seconds is not None and d.itl / policy.itl_seconds > 1 + tol
@@ -145,18 +156,26 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
         bottleneck = "TransferBound"
         rec = {"prefill": cp, "decode": cd}  # hold: more pods add no fabric bandwidth
         blocked = {"prefill": bottleneck, "decode": bottleneck}
+        held_by = [n for n, over in (("transferTime", xfer_ratio is not None and xfer_ratio > 1 + tol),
+                                     ("pendingLoads", loads_ratio is not None and loads_ratio > 1 + tol),
+                                     ("failedTransfers", failed > 0)) if over]
     elif d_over or (backlog and not slow):
         bottleneck = "PrefillAndDecodeBound" if p_over and not backlog else "DecodeBound"
         if backlog:
+            held_by = [n for n, over in (("pendingSends", sends_ratio > 1 + tol), ("expiredLeases", expired > 0))
+                       if over]
             rec["decode"] = max(rec["decode"], _desired_for(cd, max(sends_ratio, 1 + 2 * tol), tol) or 1)
+            asks["decode"].update(dict.fromkeys(held_by, rec["decode"]))
             if p_over:  # prefill's queue is decode's back-pressure: never scale prefill up for it
                 rec["prefill"], blocked["prefill"] = cp, bottleneck
     elif p_over:
         bottleneck = "PrefillBound"
     else:
         bottleneck = None
-    reasons = {}
+    reasons, decided_by = {}, {}
     for role, c in (("prefill", cp), ("decode", cd)):
+        decided_by[role] = (held_by if role in blocked else
+                            [n for n, x in asks[role].items() if x == rec[role]] if rec[role] != c else [])
         if rec[role] > c:
             reasons[role] = bottleneck if bottleneck != "PrefillAndDecodeBound" else (
                 "PrefillBound" if role == "prefill" else "DecodeBound")
@@ -181,4 +200,4 @@ def classify(rms: dict[str, RoleMetrics], current: dict[str, int], policy: Autos
         "failed_transfers": failed,
         "expired_leases": expired,
     }
-    return Classification(bottleneck, rec, reasons, metrics, "; ".join(slow))
+    return Classification(bottleneck, rec, reasons, metrics, "; ".join(slow), decided_by)

@@ -90,7 +90,9 @@ def scrape(targets: list[PodTarget], timeout: float, clock: Callable[[], float])
 
 def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Callable[[], float]) -> list[
         PodSample]:
-    """One sample per target pod; a pod Prometheus has no series for is missing."""
+    """One sample per target pod; a pod Prometheus has no series for is missing. Series are selected by their
+    `role` label, which the chart's worker PodMonitor sets from the pod's component label for either engine (vLLM
+    exports none); a router pod's sample keeps what it measured per endpoint (attribute_handoff_signals)."""
     fetched = sources.PrometheusSource(source.prometheus_url or "", timeout=source.timeout_seconds,
                                        selector=source.selector or "",
                                        pod_label=source.pod_label).fetch(roles=("prefill", "decode", "router"))
@@ -100,8 +102,11 @@ def from_prometheus(targets: list[PodTarget], source: s.MetricsSource, clock: Ca
     out = []
     for t in targets:
         smp = by_pod.get(t.name)
-        out.append(PodSample(t.name, t.role, smp.timestamp, smp.values, smp.histograms) if smp else
-                   PodSample(t.name, t.role, clock(), error=f"no series with {source.pod_label}={t.name!r}"))
+        out.append(PodSample(t.name, t.role, smp.timestamp, smp.values, smp.histograms,
+                             endpoint_signals=smp.endpoint_signals) if smp else
+                   PodSample(t.name, t.role, clock(), error=f"no series with {source.pod_label}={t.name!r} and "
+                             f"role={t.role!r} (the scrape must set role from app.kubernetes.io/component: "
+                             "docs/observability.md)"))
     return out
 
 

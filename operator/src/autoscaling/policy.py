@@ -76,6 +76,8 @@ class Decision:
     history: ScalingHistory  # pass to the next decide()
     # role -> ("used" | "unavailable") -> signal names (inputs.SIGNALS): what this decision could read
     signals: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # role -> the signals its recommendation came from, or that held it back (classify.Classification.decided_by)
+    decided_by: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def desired(self) -> dict[str, int]:
@@ -188,7 +190,7 @@ def scale_decision(c: Classification, rms: dict[str, RoleMetrics], current: dict
         roles[role].desired, roles[role].limited_by = want[role], "RatioBound"
     history = replace(history, recommendations=recs)
     return Decision(now, c.bottleneck, _overall_reason(c.bottleneck, roles), roles, c.metrics,
-                    _conditions(None, c, roles), history)
+                    _conditions(None, c, roles), history, decided_by=c.decided_by)
 
 
 def _overall_reason(bottleneck: str | None, roles: dict[str, RoleDecision]) -> str:
@@ -206,8 +208,10 @@ def _conditions(hold: tuple[str, str] | None, c: Classification | None,
     if hold is not None:
         active = ScalingCondition("ScalingActive", "False", hold[0], hold[1])
     else:
+        by = "; ".join(f"{role} by {', '.join(names)}" for role, names in c.decided_by.items() if names)
         active = ScalingCondition("ScalingActive", "True", "ValidMetrics",
-                                  f"bottleneck: {c.bottleneck}" if c.bottleneck else "no bottleneck")
+                                  (f"bottleneck: {c.bottleneck}" if c.bottleneck else "no bottleneck")
+                                  + (f"; {by}" if by else ""))
     limited = [(r, d) for r, d in roles.items() if d.limited_by]
     limit = (ScalingCondition("ScalingLimited", "True", limited[0][1].limited_by,
                               "; ".join(f"{r}: {d.limited_by} at {d.desired}" for r, d in limited)) if limited

@@ -52,6 +52,7 @@ class ScalingChange:
     dry_run: bool
     time: float  # seconds since the epoch: the decision's
     metrics: dict[str, float] = field(default_factory=dict)  # role_metrics() of the decision
+    decided_by: list[str] = field(default_factory=list)  # the signals behind it (Decision.decided_by)
 
     @property
     def event_reason(self) -> str:
@@ -65,14 +66,15 @@ class ScalingChange:
 
     def as_json(self) -> dict[str, Any]:
         return {"time": iso(self.time), "role": self.role, "from": self.from_replicas, "to": self.to_replicas,
-                "reason": self.reason, "dryRun": self.dry_run, "metrics": self.metrics}
+                "reason": self.reason, "decidedBy": self.decided_by, "dryRun": self.dry_run, "metrics": self.metrics}
 
 
 def scaling_line(change: ScalingChange) -> str:
-    """One console line: `[time] autoscale (dry run): decode 1 -> 2 (DecodeBound) name=value ...`."""
+    """One console line: `[time] autoscale (dry run): decode 1 -> 2 (DecodeBound) by kvCacheUsage name=value ...`."""
     values = " ".join(f"{k}={v:g}" for k, v in change.metrics.items())
     dry = " (dry run)" if change.dry_run else ""
-    what = f"{change.role} {change.from_replicas} -> {change.to_replicas} ({change.reason})"
+    by = f" by {','.join(change.decided_by)}" if change.decided_by else ""
+    what = f"{change.role} {change.from_replicas} -> {change.to_replicas} ({change.reason}){by}"
     return f"[{iso(change.time)}] autoscale{dry}: {what} {values}"
 
 
@@ -81,6 +83,7 @@ def decision_json(d: Decision, dry_run: bool) -> dict[str, Any]:
     return {"time": iso(d.time), "reason": d.reason, "bottleneck": d.bottleneck, "dryRun": dry_run,
             "roles": {r: {"current": x.current, "desired": x.desired, "reason": x.reason,
                           "recommendation": x.recommendation, "limitedBy": x.limited_by,
+                          "decidedBy": d.decided_by.get(r, []),
                           "signalsUsed": d.signals.get(r, {}).get("used", []),
                           "signalsUnavailable": d.signals.get(r, {}).get("unavailable", [])}
                       for r, x in d.roles.items()},

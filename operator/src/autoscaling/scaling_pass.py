@@ -65,7 +65,7 @@ def run_pass(scrape: Callable[[], list[PodSample]], members: dict[str, list[str]
             if state.reported.get(role) == told:
                 continue  # nothing changes in a dry run: tell a would-be change once, not every interval
         changes.append(ScalingChange(role, d.current, d.desired, d.reason, dry_run, now,
-                                     role_metrics(decision, role)))
+                                     role_metrics(decision, role), decision.decided_by.get(role, [])))
         if not dry_run and d.desired < d.current:
             removals[role] = choose_removals(members.get(role, []), by_role[role], d.current - d.desired)
     return PassOutcome(decision, samples, changes, removals, PassState(decision.history, reported))

@@ -56,6 +56,14 @@ def answer(r: httpx.Response) -> list:
     return out
 
 
+def pending_sends(urls: list[str]) -> float:
+    """The hand-offs the decode side's prefill hops see pending at the prefill, over these decode workers."""
+    samples = [float(line.rsplit(" ", 1)[1]) for u in urls for line in httpx.get(f"{u}/metrics", timeout=5).text
+               .splitlines() if line.startswith("disagg:router_kv_pending_sends{")]
+    assert len(samples) == len(urls), "each decode worker's page has its hop's view of the one prefill"
+    return sum(samples)
+
+
 def nixl_reads(urls: list[str]) -> float:
     return sum(metric(u, "vllm:nixl_xfer_time_seconds_count") for u in urls)
 
@@ -66,6 +74,8 @@ def test_answers_through_the_gateway_equal_the_routers_and_the_kv_moves(gw, case
     before = nixl_reads(gw["decodes"])
     via_gateway = answer(post(gw["gateway"], path, body))
     assert nixl_reads(gw["decodes"]) > before, "no KV was read over NIXL for the gateway's request"
+    # the decode side's hop measured the hand-off as the router does: no longer pending once the decode took it
+    assert pending_sends(gw["decodes"]) == 0
     assert via_gateway == answer(post(gw["router"], path, body))
 
 

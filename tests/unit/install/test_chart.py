@@ -9,6 +9,7 @@ labels and ports the operator really gives worker pods (the prometheus-operator 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from helm_cli import run_helm, template  # tests/ is on sys.path (tests/conftest.py)
+from prometheus_cli import sanitized
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -244,6 +246,24 @@ def test_worker_pod_monitor_selects_every_worker_pod_and_its_metrics_port(render
         assert endpoint["port"] in {p["name"] for p in tpl["spec"]["containers"][0]["ports"]}
     (pm,) = by_kind(render("-f", CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
     assert pm["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_worker_pod_monitor_labels_every_series_with_the_pods_role_and_resource(render):
+    """vLLM's series carry no role: the PodMonitor takes it (and the resource) from the pod's labels, before any
+    relabeling of the user's. (tests/integration/install/test_monitoring_prometheus.py runs them in Prometheus.)"""
+    extra = {"targetLabel": "cluster", "replacement": "eu-1"}
+    docs = render("-f", CHART / "ci" / "monitoring-values.yaml",
+                  "--set-json", f"monitoring.workers.podMonitor.relabelings=[{json.dumps(extra)}]")
+    (pm,) = by_kind(docs, "PodMonitor")
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    meta = lambda label: "__meta_kubernetes_pod_label_" + sanitized(label)  # noqa: E731
+    assert endpoint["relabelings"] == [{"sourceLabels": [meta(naming.LABEL_COMPONENT)], "targetLabel": "role"},
+                                       {"sourceLabels": [meta(naming.LABEL_INSTANCE)], "targetLabel": "resource"},
+                                       extra]
+    for tpl in worker_pod_templates():
+        labels = tpl["metadata"]["labels"]
+        assert labels[naming.LABEL_COMPONENT] in ("prefill", "decode", "router")
+        assert naming.LABEL_INSTANCE in labels
 
 
 def test_operator_metrics_endpoint_and_its_pod_monitor(render):

@@ -11,10 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helm_cli import template  # tests/ is on sys.path (tests/conftest.py)
-from prometheus_cli import (CHART, DASHBOARD, METRIC_NAME, alerts, binary, dashboard_queries,
-                            exported_metric_names, load_dashboard, render_monitoring, write_rules_file)
+from prometheus_cli import (CHART, DASHBOARD, METRIC_NAME, alerts, binary, dashboard_queries, exported_metric_names,
+                            load_dashboard, relabel_config, render_monitoring, render_worker_pod_monitor, sanitized,
+                            write_rules_file)
 
 HERE = Path(__file__).resolve().parent
 PROMTOOL_MISSING = "promtool is not installed (Debian package prometheus; .ci/run installs it)"
@@ -65,7 +67,9 @@ def test_dashboard_queries_name_only_exported_metrics_and_defined_variables(rend
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:nixl_xfer_time_seconds_bucket",
                  "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_descriptors_sum",
                  "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
-                 "disagg:kv_pending_sends", "disagg:kv_pending_loads", "disagg:router_hop_latency_seconds_bucket",
+                 "disagg:router_kv_pending_sends", "disagg:router_kv_pending_loads",
+                 "disagg:router_kv_oldest_pending_send_seconds", "disagg:router_handoff_to_first_token_seconds_bucket",
+                 "disagg:router_hop_latency_seconds_bucket",
                  "disagg:router_decode_alone_total", "disagg_operator_desired_replicas",
                  "disagg_operator_scaling_decisions_total"):
         assert name in used, f"no panel shows {name}"
@@ -110,3 +114,23 @@ def test_promtool_unit_tests_fail_on_a_changed_threshold(helm_home, tmp_path):
     proc = subprocess.run([binary("promtool"), "test", "rules", tests], capture_output=True, text=True, timeout=60,
                           cwd=tmp_path)
     assert proc.returncode != 0 and "DisaggDecodeKVCacheSaturated" in proc.stdout + proc.stderr
+
+
+def test_the_documented_scrape_job_labels_series_as_the_charts_pod_monitor(helm_home):
+    """docs/observability.md's job for users with their own Prometheus keeps the operator's pods on port http and
+    relabels role and resource exactly as the chart's PodMonitor does (Debian's promtool lacks Kubernetes
+    discovery, so the job is compared, not loaded)."""
+    docs = (HERE.parents[2] / "docs" / "observability.md").read_text()
+    (block,) = re.findall(r"```yaml\n(scrape_configs:.*?)```", docs, re.S)
+    (job,) = yaml.safe_load(block)["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    monitor = render_worker_pod_monitor(helm_home)["spec"]
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    rules = job["relabel_configs"]
+    assert [relabel_config(r) for r in endpoint["relabelings"]] == [r for r in rules if r.get("target_label") in
+                                                                   ("role", "resource")]
+    keep = {r["source_labels"][0]: r["regex"] for r in rules if r.get("action") == "keep"}
+    assert keep == {**{f"__meta_kubernetes_pod_label_{sanitized(k)}": v
+                       for k, v in monitor["selector"]["matchLabels"].items()},
+                    "__meta_kubernetes_pod_container_port_name": endpoint["port"]}
+    assert {r.get("target_label") for r in rules} >= {"namespace", "pod", "role", "resource"}

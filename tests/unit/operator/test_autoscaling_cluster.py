@@ -268,3 +268,17 @@ def test_prometheus_samples_are_matched_to_the_listed_pods(monkeypatch):
     assert (d.role, d.values, d.missing) == ("decode", {ms.KV_CACHE_USAGE: 0.5}, False)
     monkeypatch.setattr(sources.PrometheusSource, "fetch", lambda self, roles=(): "ConnectError: refused")
     assert [smp.error for smp in sc.from_prometheus(targets, source, lambda: 9.0)] == ["ConnectError: refused"] * 2
+
+
+def test_a_router_pods_per_endpoint_view_read_through_prometheus_reaches_the_worker_pods(monkeypatch):
+    """metricsSource prometheus: the router pod's sample keeps what it measured per endpoint, so the pass gives a
+    vLLM prefill pod its pending sends (the signal it does not export itself)."""
+    from disagg.operator import spec as s
+    from disagg.operator.autoscaling.samples import ROUTER_PENDING_SENDS, attribute_handoff_signals
+    targets = [sc.PodTarget("p-1", "prefill", ""), sc.PodTarget("r-1", "router", "")]
+    source = s.MetricsSource(type="prometheus", prometheus_url="http://prom:9090")
+    fetched = [ms.PodSample("p-1", "prefill", 5.0, {ms.NUM_REQUESTS_WAITING: 1.0}),
+               ms.PodSample("r-1", "router", 5.0, endpoint_signals={"p-1": {ROUTER_PENDING_SENDS: 3.0}})]
+    monkeypatch.setattr(sources.PrometheusSource, "fetch", lambda self, roles=(): fetched)
+    p, _ = attribute_handoff_signals(sc.from_prometheus(targets, source, lambda: 9.0))
+    assert p.values == {ms.NUM_REQUESTS_WAITING: 1.0, ROUTER_PENDING_SENDS: 3.0}
