@@ -36,6 +36,10 @@ KV_PENDING_LOADS = "disagg:router_kv_pending_loads"
 KV_OLDEST_SEND_AGE = "disagg:router_kv_oldest_pending_send_seconds"
 KV_OLDEST_LOAD_AGE = "disagg:router_kv_oldest_pending_load_seconds"
 HANDOFF_TO_FIRST_TOKEN = "disagg:router_handoff_to_first_token_seconds"
+# requests held while no decode endpoint is ready (hold.py): the autoscaler's signal to scale from zero
+HELD_REQUESTS = "disagg:router_held_requests"
+COLD_START = "disagg:router_cold_start_seconds"
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 ENDPOINT_POD_LABEL = "endpoint_pod"
 ENDPOINT_LABELS = ("endpoint", ENDPOINT_POD_LABEL)
 
@@ -81,6 +85,16 @@ class RouterMetrics:
         self.refused_targets = Counter(REFUSED_PREFILL_TARGETS, "Prefill endpoints named by a request's "
                                        "x-prefiller-host-port that are not of this resource's prefill pool (not "
                                        "contacted; decoded alone).", LABELS, registry=r)
+
+        self.cold_start = Histogram(COLD_START, "Requests held while no decode endpoint was ready: from being held "
+                                    "to the client's first byte.", LABELS, buckets=COLD_START_BUCKETS, registry=r)
+
+    def watch_held(self, held: Callable[[], int]) -> None:
+        """Export the requests held now (hold.HoldQueue.held), read at each scrape."""
+        self.registry.register(_HeldCollector(self, held))
+
+    def cold_started(self, seconds: float) -> None:
+        self.cold_start.labels(self.model_name, self.role).observe(seconds)
 
     def handoff_consumed(self, seconds: float) -> None:
         self.handoff_latency.labels(self.model_name, self.role).observe(seconds)
@@ -159,3 +173,14 @@ class _HandoffCollector:
                     family.add_metric([self.metrics.model_name, self.metrics.role, url, pod],
                                       float(table.get(url, (0, 0.0))[part]))
             yield family
+
+
+class _HeldCollector:
+    def __init__(self, metrics: RouterMetrics, held: Callable[[], int]):
+        self.metrics, self.held = metrics, held
+
+    def collect(self) -> Any:
+        family = GaugeMetricFamily(HELD_REQUESTS, "Requests held now, waiting for a decode endpoint to be ready.",
+                                   labels=list(LABELS))
+        family.add_metric([self.metrics.model_name, self.metrics.role], float(self.held()))
+        yield family

@@ -17,6 +17,7 @@ from disagg.worker.router.policy import RoutePlan, RoutingPolicy
 from disagg.worker.router.timeouts import HopTimeout, HopTimeouts
 
 if TYPE_CHECKING:
+    from disagg.worker.router.hold import HoldQueue
     from disagg.worker.router.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class RouterState:
     early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
     prefix: PrefixRouter | None = None  # a policy's prefix facts (prefix_router.py) when it reads them, else None
     handoffs: HandoffLedger = field(default_factory=HandoffLedger)  # KV hand-offs pending per endpoint
+    hold: HoldQueue | None = None  # requests waiting for a decode endpoint (hold.py); None: not held
 
     def members(self) -> list[tuple[str, str, str]]:
         """(role, url, pod name or host:port) of every endpoint, for the per-endpoint metrics."""
