@@ -392,6 +392,19 @@ class PrefillDecodeRatio(_Model):
     max: ReplicaRatio | None = None
 
 
+class ScaleToZero(_Model):
+    """Both pools to zero after idleSeconds with nothing in flight or waiting anywhere (decode last, drained as any
+    scale-down); back at once when the router holds a request. The router holds requests while no decode pod is
+    ready: at most holdSeconds each (then 503 with Retry-After), maxHeldRequests at once (then 429)."""
+    enabled: bool = Field(False, description="Off by default: a pool whose minReplicas is 0 then only loses its "
+                          "last pod by the policy (prefill at 0: decode serves alone).")
+    idle_seconds: int = Field(300, ge=1, le=86400, description="No request running, waiting, held or with KV "
+                              "pending in the resource for this long takes both pools to 0.")
+    hold_seconds: int = Field(120, ge=1, le=3600, description="How long the router holds a request no decode pod "
+                              "is ready for (cover the pods' start-up: model load, image pull).")
+    max_held_requests: int = Field(100, ge=1, le=100000, description="Requests held at once per router pod.")
+
+
 class AutoscalingSpec(_Model):
     enabled: bool = False
     dry_run: bool = Field(False, description="Decide and report in status, change nothing.")
@@ -413,6 +426,11 @@ class AutoscalingSpec(_Model):
     stale_after_seconds: int | None = Field(None, ge=1, le=86400, description="A pod's sample older than this "
                                             "holds scaling; default 3 x intervalSeconds + metricsSource."
                                             "timeoutSeconds.")
+    scale_to_zero: ScaleToZero = Field(default_factory=ScaleToZero)
+
+    def holds_requests(self) -> bool:
+        """The router holds requests while no decode pod is ready: the pools may be at zero."""
+        return self.enabled and self.scale_to_zero.enabled
 
 
 # ---------------------------------------------------------------- the spec
