@@ -353,6 +353,6 @@ def _supervise(doors: list[LocalProcess], workers: Any, autoscaler: Any, interva
                 door.start()
         workers.step()
         if autoscaler is not None and time.monotonic() >= next_tick:
-            next_tick = time.monotonic() + interval_s
             autoscaler.tick()
+            next_tick = time.monotonic() + autoscaler.next_tick_in()  # soon while the pools are at zero
     return 0
