@@ -514,11 +514,24 @@ class ScalingDecision(_Model):
                                     "as decimal strings; units in the names.")
 
 
+class ScaleToZeroStatus(_Model):
+    """spec.autoscaling.scaleToZero: whether the pools are at zero, why, and when they went and came back."""
+    at_zero: bool = Field(False, description="Both pools are (being taken) at zero replicas.")
+    reason: str | None = Field(None, max_length=1024, description="Why they are at zero, e.g. how long nothing "
+                               "was in flight.")
+    since: str | None = Field(None, json_schema_extra={"format": "date-time"}, description="When they went to "
+                              "zero.")
+    left_zero_at: str | None = Field(None, json_schema_extra={"format": "date-time"}, description="When held "
+                                     "requests last brought them back.")
+    held_requests: int = Field(0, ge=0, description="Requests the routers held at the last decision.")
+
+
 class AutoscalingStatus(_Model):
     dry_run: bool = Field(False, description="The decisions below were reported, not applied.")
     prefill: RoleScaling | None = None
     decode: RoleScaling | None = None
     last_decision: ScalingDecision | None = None
+    scale_to_zero: ScaleToZeroStatus | None = None
 
 
 class DisaggregatedInferenceStatus(_Model):

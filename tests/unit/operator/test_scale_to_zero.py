@@ -95,3 +95,17 @@ def test_the_pass_scales_both_pools_to_zero_prefill_first_and_tells_it_as_transi
 def test_scale_to_zero_events_are_named_for_the_transition():
     assert ScalingChange("decode", 1, 0, "ScaledToZero", False, 0.0).event_reason == "ScaledToZero"
     assert ScalingChange("decode", 2, 1, "Underutilized", False, 0.0).event_reason == "ScaledDown"
+
+
+def test_status_says_why_the_pools_are_at_zero_since_when_and_when_they_left():
+    from disagg.operator.autoscaling.cluster import zero_status
+    from disagg.operator.autoscaling.zero import ZeroStep
+
+    assert zero_status(ZeroStep(None, None, ZeroState(), 0), {}) is None  # scale to zero off
+    went = zero_step(60, MINS, pods(), UP, ZeroState(idle_since=0.0), 60.0)
+    st = zero_status(went, {})
+    assert st["atZero"] and st["since"] == "1970-01-01T00:01:00Z" and st["reason"].startswith("idle for 60 s")
+    later = zero_status(zero_step(60, MINS, pods(n=ZERO), ZERO, ZeroState(), 500.0), st)  # operator restarted
+    assert later["since"] == st["since"], later  # the time status already told is kept
+    back = zero_status(zero_step(60, MINS, pods(held=2, n=ZERO), ZERO, went.state, 600.0), later)
+    assert back == {"atZero": False, "heldRequests": 2, "leftZeroAt": "1970-01-01T00:10:00Z"}
