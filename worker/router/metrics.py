@@ -89,9 +89,12 @@ class RouterMetrics:
         self.cold_start = Histogram(COLD_START, "Requests held while no decode endpoint was ready: from being held "
                                     "to the client's first byte.", LABELS, buckets=COLD_START_BUCKETS, registry=r)
 
+        self.held: Callable[[], int] = lambda: 0  # requests held now (0 while holding is off), read when scraped
+        self.registry.register(_HeldCollector(self))
+
     def watch_held(self, held: Callable[[], int]) -> None:
         """Export the requests held now (hold.HoldQueue.held), read at each scrape."""
-        self.registry.register(_HeldCollector(self, held))
+        self.held = held
 
     def cold_started(self, seconds: float) -> None:
         self.cold_start.labels(self.model_name, self.role).observe(seconds)
@@ -176,11 +179,11 @@ class _HandoffCollector:
 
 
 class _HeldCollector:
-    def __init__(self, metrics: RouterMetrics, held: Callable[[], int]):
-        self.metrics, self.held = metrics, held
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
 
     def collect(self) -> Any:
         family = GaugeMetricFamily(HELD_REQUESTS, "Requests held now, waiting for a decode endpoint to be ready.",
                                    labels=list(LABELS))
-        family.add_metric([self.metrics.model_name, self.metrics.role], float(self.held()))
+        family.add_metric([self.metrics.model_name, self.metrics.role], float(self.metrics.held()))
         yield family

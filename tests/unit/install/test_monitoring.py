@@ -67,7 +67,8 @@ def test_dashboard_queries_name_only_exported_metrics_and_defined_variables(rend
                  "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
                  "disagg:kv_pending_sends", "disagg:kv_pending_loads", "disagg:router_hop_latency_seconds_bucket",
                  "disagg:router_decode_alone_total", "disagg_operator_desired_replicas",
-                 "disagg_operator_scaling_decisions_total"):
+                 "disagg_operator_scaling_decisions_total", "disagg:router_held_requests",
+                 "disagg:router_cold_start_seconds_bucket"):
         assert name in used, f"no panel shows {name}"
 
 
