@@ -407,6 +407,11 @@ class ScaleToZero(_Model):
 
 class AutoscalingSpec(_Model):
     enabled: bool = False
+    mode: Literal["builtin", "external"] = Field(
+        "builtin", description="Who owns the worker pools' replicas while enabled: builtin (this operator's "
+        "policy) or external (an HPA, KEDA or any writer of this resource's /scale subresource, which is "
+        "spec.decode.replicas; prefill follows it into prefillDecodeRatio and prefill's min/max, and the "
+        "operator's policy stays off).")
     dry_run: bool = Field(False, description="Decide and report in status, change nothing.")
     interval_seconds: int = Field(15, ge=1, le=3600)
     metrics_source: MetricsSource = Field(default_factory=MetricsSource)
@@ -427,6 +432,10 @@ class AutoscalingSpec(_Model):
                                             "holds scaling; default 3 x intervalSeconds + metricsSource."
                                             "timeoutSeconds.")
     scale_to_zero: ScaleToZero = Field(default_factory=ScaleToZero)
+
+    def builtin(self) -> bool:
+        """This operator's policy decides the replicas (mode external: someone else, through /scale)."""
+        return self.enabled and self.mode == "builtin"
 
     def holds_requests(self) -> bool:
         """The router holds requests while no decode pod is ready: the pools may be at zero."""
@@ -487,6 +496,7 @@ class RoleStatus(_Model):
     replicas: int = 0  # pods that exist (any revision)
     ready_replicas: int = 0  # pods passing /ready
     updated_replicas: int = 0  # pods on the current pod template
+    selector: str | None = None  # the pods' label selector (the /scale subresource's, for an HPA)
 
 
 class RoleScaling(_Model):

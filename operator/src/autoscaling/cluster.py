@@ -235,7 +235,7 @@ def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: dat
     if body is None:
         return None
     spec, problems = r.check(body)
-    if spec is None or problems or not spec.autoscaling.enabled:
+    if spec is None or problems or not spec.autoscaling.builtin():
         return None
     meta = body["metadata"]
     owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
