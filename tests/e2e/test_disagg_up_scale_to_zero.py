@@ -13,11 +13,11 @@ import time
 
 import httpx
 import pytest
-import yaml
 from serving_helpers import metric, nixl_available
 
 from disagg.worker.local.process import free_port
 from test_disagg_up import CLI, REPO, alive, children_of, wait_for
+from test_disagg_up_autoscaling import disagg_up
 
 pytestmark = pytest.mark.slow
 
@@ -54,61 +54,48 @@ def complete(router: str) -> tuple[int, str, float]:
 
 
 def test_idle_pools_go_to_zero_and_twenty_requests_bring_them_back_with_the_same_text(tmp_path):
-    spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(SPEC))
-    port, status_port = free_port(), free_port()
-    router, status = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{status_port}"
-    out_path = tmp_path / "up.out"
-    out = out_path.open("w")
-    launcher = subprocess.Popen([*CLI, "up", "-f", str(spec_file), "--port", str(port), "--status-port",
-                                 str(status_port), "--log-dir", str(tmp_path / "logs")],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    text = out_path.read_text
-    get_status = lambda: httpx.get(f"{status}/status", timeout=5).json()  # noqa: E731
-    try:
-        wait_for(lambda: "serving" in text() or launcher.poll() is not None, 120, "disagg up to serve")
-        assert launcher.poll() is None, text()
-        code, warm, _ = complete(router)
-        assert code == 200 and warm, warm
+    with disagg_up(tmp_path, SPEC) as up:
+        _to_zero_and_back(up)
 
-        # STEP 1: idle -> both pools to zero, their workers drained and gone
-        t0 = time.monotonic()
-        wait_for(lambda: get_status()["replicas"] == {"prefill": 0, "decode": 0}, 30, f"scale to zero\n{text()}")
-        wait_for(lambda: get_status()["workers"] == [], 60, f"the workers to drain\n{text()}")
-        t_zero = time.monotonic() - t0
-        zero = get_status()["autoscaling"]["scaleToZero"]
-        assert zero["atZero"] and "idle for" in zero["reason"] and zero["since"], zero
-        assert "autoscale: prefill 1 -> 0 (ScaledToZero)" in text() and "decode 1 -> 0 (ScaledToZero)" in text()
-        assert httpx.get(f"{router}/ready", timeout=5).status_code == 200  # holds: stays reachable at zero
 
-        # STEP 2: 20 concurrent requests at zero: held, then all served with the warm run's text
-        t1 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(20) as pool:
-            answers = list(pool.map(lambda _: complete(router), range(20)))
-        t_burst = time.monotonic() - t1
-        assert [(c, t) for c, t, _ in answers] == [(200, warm)] * 20, answers
-        assert get_status()["replicas"] == {"prefill": 1, "decode": 1}
-        zero = get_status()["autoscaling"]["scaleToZero"]
-        assert not zero["atZero"] and zero["leftZeroAt"], zero
-        assert "prefill 0 -> 1 (ScaledFromZero)" in text() and "decode 0 -> 1 (ScaledFromZero)" in text()
-        held = metric(router, "disagg:router_cold_start_seconds_count")
-        cold = metric(router, "disagg:router_cold_start_seconds_sum") / held
-        assert held == 20 and metric(router, "disagg:router_held_requests") == 0
-        firsts = sorted(f for _, _, f in answers)
-        print(f"\nscale to zero {t_zero:.1f}s after idle began; 20 requests at zero served in {t_burst:.1f}s; "
-              f"cold start (held -> first token) mean {cold:.2f}s, client first token min {firsts[0]:.2f}s "
-              f"max {firsts[-1]:.2f}s")
+def _to_zero_and_back(up) -> None:
+    launcher, router, text, get_status = up.launcher, up.router, up.text, up.status
+    code, warm, _ = complete(router)
+    assert code == 200 and warm, warm
 
-        # STEP 3: SIGTERM stops everything
-        kids = children_of(launcher.pid)
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(60) == 0
-        assert [pid for pid in kids if alive(pid)] == []
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(60)
-        out.close()
+    # STEP 1: idle -> both pools to zero, their workers drained and gone
+    t0 = time.monotonic()
+    wait_for(lambda: get_status()["replicas"] == {"prefill": 0, "decode": 0}, 30, f"scale to zero\n{text()}")
+    wait_for(lambda: get_status()["workers"] == [], 60, f"the workers to drain\n{text()}")
+    t_zero = time.monotonic() - t0
+    zero = get_status()["autoscaling"]["scaleToZero"]
+    assert zero["atZero"] and "idle for" in zero["reason"] and zero["since"], zero
+    assert "autoscale: prefill 1 -> 0 (ScaledToZero)" in text() and "decode 1 -> 0 (ScaledToZero)" in text()
+    assert httpx.get(f"{router}/ready", timeout=5).status_code == 200  # holds: stays reachable at zero
+
+    # STEP 2: 20 concurrent requests at zero: held, then all served with the warm run's text
+    t1 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda _: complete(router), range(20)))
+    t_burst = time.monotonic() - t1
+    assert [(c, t) for c, t, _ in answers] == [(200, warm)] * 20, answers
+    assert get_status()["replicas"] == {"prefill": 1, "decode": 1}
+    zero = get_status()["autoscaling"]["scaleToZero"]
+    assert not zero["atZero"] and zero["leftZeroAt"], zero
+    assert "prefill 0 -> 1 (ScaledFromZero)" in text() and "decode 0 -> 1 (ScaledFromZero)" in text()
+    held = metric(router, "disagg:router_cold_start_seconds_count")
+    cold = metric(router, "disagg:router_cold_start_seconds_sum") / held
+    assert held == 20 and metric(router, "disagg:router_held_requests") == 0
+    firsts = sorted(f for _, _, f in answers)
+    print(f"\nscale to zero {t_zero:.1f}s after idle began; 20 requests at zero served in {t_burst:.1f}s; "
+          f"cold start (held -> first token) mean {cold:.2f}s, client first token min {firsts[0]:.2f}s "
+          f"max {firsts[-1]:.2f}s")
+
+    # STEP 3: SIGTERM stops everything
+    kids = children_of(launcher.pid)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 0
+    assert [pid for pid in kids if alive(pid)] == []
 
 
 def answers(url: str) -> bool:
