@@ -145,3 +145,27 @@ def test_hold_settings_are_checked():
     assert HoldSettings(-1, 0).problems() == ["--hold-seconds must be >= 0, got -1",
                                               "--max-held-requests must be >= 1, got 0"]
     assert not HoldSettings().enabled and HoldSettings(600).retry_after_s == 30
+
+
+def test_the_endpoint_picker_holds_too_and_refuses_with_retry_after_when_the_hold_runs_out():
+    from disagg.worker.gateway.ext_proc import PickRequest
+    from disagg.worker.gateway.picker import RoutingPicker
+
+    fleet = Fleet()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}).encode()
+    request = PickRequest("POST", "/v1/completions", {}, body)
+
+    async def go(state: RouterState, appear_after_s: float | None):
+        state.client = httpx.AsyncClient(transport=httpx.MockTransport(fleet))
+        picker = RoutingPicker(state)
+        task = asyncio.ensure_future(picker.pick(request))
+        if appear_after_s is not None:
+            await asyncio.sleep(appear_after_s)
+            state.decode.set_urls([D])
+            fleet.up.add(D)
+        return await task
+
+    refused = asyncio.run(go(router(HoldSettings(seconds=0.3)), None))
+    assert (refused.status, refused.retry_after_s) == (503, 1) and "0.3 s" in refused.message
+    picked = asyncio.run(go(router(HoldSettings(seconds=5)), 0.3))
+    assert (picked.status, picked.decode) == (200, "d:1"), picked
