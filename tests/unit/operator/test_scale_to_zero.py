@@ -109,3 +109,13 @@ def test_status_says_why_the_pools_are_at_zero_since_when_and_when_they_left():
     assert later["since"] == st["since"], later  # the time status already told is kept
     back = zero_status(zero_step(60, MINS, pods(held=2, n=ZERO), ZERO, went.state, 600.0), later)
     assert back == {"atZero": False, "heldRequests": 2, "leftZeroAt": "1970-01-01T00:10:00Z"}
+
+
+def test_scale_to_zero_without_autoscaling_is_rejected_by_name():
+    from disagg.operator.checks import check_spec
+
+    raw = {"model": {"servedName": "m"}, "autoscaling": {"scaleToZero": {"enabled": True}}}
+    _, problems = check_spec(raw, "local")
+    assert [p.path for p in problems] == ["spec.autoscaling.scaleToZero.enabled"], problems
+    raw["autoscaling"]["enabled"] = True
+    assert check_spec(raw, "local")[1] == []
