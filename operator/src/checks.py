@@ -72,6 +72,9 @@ def semantic_problems(spec: s.DisaggregatedInferenceSpec, target: Target) -> lis
     if lo and hi and lo.prefill * hi.decode > hi.prefill * lo.decode:  # lo.p/lo.d > hi.p/hi.d without floats
         problems.append(Problem("spec.autoscaling.prefillDecodeRatio",
                                 f"min {lo.prefill}:{lo.decode} is above max {hi.prefill}:{hi.decode}"))
+    if a.scale_to_zero.enabled and not a.enabled:
+        problems.append(Problem("spec.autoscaling.scaleToZero.enabled", "needs spec.autoscaling.enabled: nothing "
+                                "else brings the pools back from zero"))
     problems += _router_problems(spec.router) + _gateway_problems(spec)
     if a.metrics_source.type == "prometheus" and not a.metrics_source.prometheus_url:
         problems.append(Problem("spec.autoscaling.metricsSource.prometheusUrl", "required when type is prometheus"))

@@ -26,6 +26,10 @@ CRD_NAME = f"{s.PLURAL}.{s.GROUP}"
 # from its crds/)
 DEFAULT_OUT = (Path("crds"), Path("charts") / "disagg-operator" / "crds")
 FILE_NAME = f"{CRD_NAME}.yaml"
+# the scale target an HPA or KEDA drives (spec.autoscaling.mode external): the decode pool; prefill follows it
+# within the ratio bounds (plan.initial_replicas), so one /scale serves both pools
+SCALE = {"specReplicasPath": ".spec.decode.replicas", "statusReplicasPath": ".status.decode.replicas",
+         "labelSelectorPath": ".status.decode.selector"}
 
 # keys a structural schema may carry (apiextensions.k8s.io/v1 JSONSchemaProps, minus what we never emit)
 _KEPT = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
@@ -115,7 +119,7 @@ def build_crd() -> dict[str, Any]:
                 "name": s.VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
+                "subresources": {"status": {}, "scale": SCALE},
                 "additionalPrinterColumns": _printer_columns(),
                 "schema": {"openAPIV3Schema": root},
             }],

@@ -162,7 +162,8 @@ def _autoscale_once(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) ->
 
 
 def _autoscaling_on(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
+    a = spec.get("autoscaling") or {}
+    return bool(a.get("enabled")) and a.get("mode", "builtin") == "builtin"  # external: someone else's /scale
 
 
 def autoscale_daemon(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped,

@@ -7,6 +7,8 @@ Pure: no API calls, no processes.
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +34,34 @@ __all__ = ["LocalWorker", "Problem", "Role", "autoscaler_owns_replicas", "check_
 # ---------------------------------------------------------------- replicas (both targets)
 def autoscaler_owns_replicas(spec: s.DisaggregatedInferenceSpec) -> bool:
     """The autoscaler applies its decisions to the worker pools (a dry run only reports them)."""
-    return spec.autoscaling.enabled and not spec.autoscaling.dry_run
+    return spec.autoscaling.builtin() and not spec.autoscaling.dry_run
 
 
 def initial_replicas(spec: s.DisaggregatedInferenceSpec, role: Role) -> int:
     """The replicas a worker pool starts with: spec.<role>.replicas, moved into autoscaling's min/max when the
     autoscaler owns the pool (then only the starting point). A dry run changes nothing, so the spec's number
-    stands."""
+    stands. Mode external: the pools' replicas always (decode is the /scale subresource's; prefill follows it)."""
+    a = spec.autoscaling
     n = getattr(spec, role).replicas
-    if autoscaler_owns_replicas(spec):
-        bounds: s.ReplicaBounds = getattr(spec.autoscaling, role)
-        n = min(max(n, bounds.min_replicas), bounds.max_replicas)
+    if autoscaler_owns_replicas(spec) or a.enabled and a.mode == "external":
+        n = _within(n, getattr(a, role))
+    if a.enabled and a.mode == "external" and role == "prefill":
+        n = _within(prefill_following(n, initial_replicas(spec, "decode"), a.prefill_decode_ratio), a.prefill)
     return n
+
+
+def _within(n: int, bounds: s.ReplicaBounds) -> int:
+    return min(max(n, bounds.min_replicas), bounds.max_replicas)
+
+
+def prefill_following(prefill: int, decode: int, ratio: s.PrefillDecodeRatio) -> int:
+    """Prefill replicas moved into prefill/decode's [min, max] ratio for this many decode replicas: an outside
+    autoscaler drives decode alone (/scale), prefill keeps in step."""
+    if ratio.min is not None:
+        prefill = max(prefill, math.ceil(decode * ratio.min.prefill / ratio.min.decode))
+    if ratio.max is not None:
+        prefill = min(prefill, decode * ratio.max.prefill // ratio.max.decode)
+    return prefill
 
 
 # ---------------------------------------------------------------- Kubernetes: pods

@@ -257,10 +257,11 @@ def reconcile(body: dict[str, Any], cluster: Cluster, now: datetime,
         extra = {"revision": m.serving_revision(spec), "endpoint": m.router_endpoint(owner, spec)}
     written, reverted = applied.written, applied.reverted
     gateway = spec is not None and not problems and spec.gateway.enabled
+    external = spec is not None and not problems and spec.autoscaling.enabled and spec.autoscaling.mode == "external"
     status = build_status(generation, applied.deployments, applied.desired, problems, extra, applied.conflicts,
-                          gateway, applied.pool)
+                          gateway, applied.pool, scale_selector=external)
     status["conditions"] = with_transition_times(status["conditions"], old_status.get("conditions") or [], now)
-    autoscaling_on = spec is not None and spec.autoscaling.enabled
+    autoscaling_on = spec is not None and spec.autoscaling.builtin()
     if autoscaling_on:  # the autoscaler's conditions stay, after ours
         status["conditions"] += [c for c in old_status.get("conditions") or []
                                  if c.get("type") in s.AUTOSCALING_CONDITIONS]

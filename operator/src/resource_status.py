@@ -83,9 +83,11 @@ def pool_condition(pool: dict[str, Any] | None, generation: int) -> dict[str, An
 
 def build_status(generation: int, deployments: dict[str, dict | None], desired: dict[str, dict] | None,
                  problems: list[Problem], extra: dict[str, Any], conflicts: list[ChildConflict] | None = None,
-                 gateway: bool = False, pool: dict[str, Any] | None = None) -> dict[str, Any]:
+                 gateway: bool = False, pool: dict[str, Any] | None = None,
+                 scale_selector: bool = False) -> dict[str, Any]:
     """Conditions without transition times; `desired` is None when the spec was rejected (component -> the
-    Deployment we want otherwise). With the `gateway` on, `pool` is the InferencePool as the server holds it."""
+    Deployment we want otherwise). With the `gateway` on, `pool` is the InferencePool as the server holds it.
+    `scale_selector`: an outside autoscaler drives /scale (autoscaling mode external): the pools' selectors."""
     roles = list(desired) if desired is not None else list(ALWAYS)
     status: dict[str, Any] = {"observedGeneration": generation, **extra,
                               **{STATUS_KEYS[r]: role_status(deployments.get(r)) for r in roles}}
@@ -97,6 +99,9 @@ def build_status(generation: int, deployments: dict[str, dict | None], desired: 
         return status
     assert desired is not None
     want = {r: desired[r]["spec"]["replicas"] for r in roles}
+    for r in ("prefill", "decode") if scale_selector else ():  # /scale's labelSelectorPath: .status.decode.selector
+        labels = desired[r]["spec"]["selector"]["matchLabels"] if r in desired else {}
+        status[STATUS_KEYS[r]]["selector"] = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     counts = ", ".join(f"{r} {status[STATUS_KEYS[r]]['readyReplicas']}/{want[r]}" for r in roles)
     pending = [r for r in roles if not rolled_out(deployments.get(r), desired[r])]
     ready = all(status[STATUS_KEYS[r]]["readyReplicas"] >= want[r] for r in roles)

@@ -33,7 +33,7 @@ def routing_args(spec: s.DisaggregatedInferenceSpec, discovery: tuple[str, ...],
     argv = ["--policy", r.policy]
     if probe_interval_s is not None:
         argv += ["--probe-interval", str(probe_interval_s)]
-    argv += [*discovery, *bound_args(r, spec.engine)]
+    argv += [*discovery, *bound_args(r, spec.engine), *hold_args(spec.autoscaling)]
     if r.policy == "prefix-aware" and kv_events_ports is not None:
         # where the workers publish KV-cache events, for those that do not say so at GET /kv_events (vLLM)
         pub, replay = kv_events_ports
@@ -59,3 +59,11 @@ def bound_args(router: s.RouterSpec, engine: str) -> list[str]:
             "--prefix-load-cost-tokens", str(x.load_cost_tokens),
             "--prefix-skip-prefill-blocks", str(x.skip_prefill_blocks),
             "--queue-wait", f"{router.admission.queue_wait_seconds:g}"]
+
+
+def hold_args(autoscaling: s.AutoscalingSpec) -> list[str]:
+    """With scale to zero the router holds requests while no decode pod is ready (worker/router/hold.py)."""
+    if not autoscaling.holds_requests():
+        return []
+    z = autoscaling.scale_to_zero
+    return ["--hold-seconds", str(z.hold_seconds), "--max-held-requests", str(z.max_held_requests)]

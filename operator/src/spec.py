@@ -417,8 +417,26 @@ class PrefillDecodeRatio(_Model):
     max: ReplicaRatio | None = None
 
 
+class ScaleToZero(_Model):
+    """Both pools to zero after idleSeconds with nothing in flight or waiting anywhere (decode last, drained as any
+    scale-down); back at once when the router holds a request. The router holds requests while no decode pod is
+    ready: at most holdSeconds each (then 503 with Retry-After), maxHeldRequests at once (then 429)."""
+    enabled: bool = Field(False, description="Off by default: a pool whose minReplicas is 0 then only loses its "
+                          "last pod by the policy (prefill at 0: decode serves alone).")
+    idle_seconds: int = Field(300, ge=1, le=86400, description="No request running, waiting, held or with KV "
+                              "pending in the resource for this long takes both pools to 0.")
+    hold_seconds: int = Field(120, ge=1, le=3600, description="How long the router holds a request no decode pod "
+                              "is ready for (cover the pods' start-up: model load, image pull).")
+    max_held_requests: int = Field(100, ge=1, le=100000, description="Requests held at once per router pod.")
+
+
 class AutoscalingSpec(_Model):
     enabled: bool = False
+    mode: Literal["builtin", "external"] = Field(
+        "builtin", description="Who owns the worker pools' replicas while enabled: builtin (this operator's "
+        "policy) or external (an HPA, KEDA or any writer of this resource's /scale subresource, which is "
+        "spec.decode.replicas; prefill follows it into prefillDecodeRatio and prefill's min/max, and the "
+        "operator's policy stays off).")
     dry_run: bool = Field(False, description="Decide and report in status, change nothing.")
     interval_seconds: int = Field(15, ge=1, le=3600)
     metrics_source: MetricsSource = Field(default_factory=MetricsSource)
@@ -438,6 +456,15 @@ class AutoscalingSpec(_Model):
     stale_after_seconds: int | None = Field(None, ge=1, le=86400, description="A pod's sample older than this "
                                             "holds scaling; default 3 x intervalSeconds + metricsSource."
                                             "timeoutSeconds.")
+    scale_to_zero: ScaleToZero = Field(default_factory=ScaleToZero)
+
+    def builtin(self) -> bool:
+        """This operator's policy decides the replicas (mode external: someone else, through /scale)."""
+        return self.enabled and self.mode == "builtin"
+
+    def holds_requests(self) -> bool:
+        """The router holds requests while no decode pod is ready: the pools may be at zero."""
+        return self.enabled and self.scale_to_zero.enabled
 
 
 # ---------------------------------------------------------------- the spec
@@ -494,6 +521,7 @@ class RoleStatus(_Model):
     replicas: int = 0  # pods that exist (any revision)
     ready_replicas: int = 0  # pods passing /ready
     updated_replicas: int = 0  # pods on the current pod template
+    selector: str | None = None  # the pods' label selector (the /scale subresource's, for an HPA)
 
 
 class RoleScaling(_Model):
@@ -521,11 +549,24 @@ class ScalingDecision(_Model):
                                     "as decimal strings; units in the names.")
 
 
+class ScaleToZeroStatus(_Model):
+    """spec.autoscaling.scaleToZero: whether the pools are at zero, why, and when they went and came back."""
+    at_zero: bool = Field(False, description="Both pools are (being taken) at zero replicas.")
+    reason: str | None = Field(None, max_length=1024, description="Why they are at zero, e.g. how long nothing "
+                               "was in flight.")
+    since: str | None = Field(None, json_schema_extra={"format": "date-time"}, description="When they went to "
+                              "zero.")
+    left_zero_at: str | None = Field(None, json_schema_extra={"format": "date-time"}, description="When held "
+                                     "requests last brought them back.")
+    held_requests: int = Field(0, ge=0, description="Requests the routers held at the last decision.")
+
+
 class AutoscalingStatus(_Model):
     dry_run: bool = Field(False, description="The decisions below were reported, not applied.")
     prefill: RoleScaling | None = None
     decode: RoleScaling | None = None
     last_decision: ScalingDecision | None = None
+    scale_to_zero: ScaleToZeroStatus | None = None
 
 
 class DisaggregatedInferenceStatus(_Model):

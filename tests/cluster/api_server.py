@@ -4,7 +4,9 @@
   = now + grace, deletionGracePeriodSeconds = grace, from the request's gracePeriodSeconds or the pod's
   terminationGracePeriodSeconds, default 30); the pod goes away when the kubelet deletes it again with
   gracePeriodSeconds=0 after its containers stopped. An unbound pod is removed at once, as a real API server does.
-- CustomResourceDefinitions: creating one serves its kind (discovery, list/watch/patch, /status when declared).
+- CustomResourceDefinitions: creating one serves its kind (discovery, list/watch/patch, /status when declared,
+  and /scale when declared: GET and PATCH of an autoscaling/v1 Scale read and write the CRD's replica paths, as an
+  HPA or KEDA does).
 - garbage collection (background propagation): an object all of whose ownerReferences name owners (by uid) that
   no longer exist is deleted - by the same rules, so a Deployment's pods terminate gracefully.
 
@@ -33,6 +35,13 @@ def _stamp(seconds_from_now: float = 0.0) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _at(obj: dict[str, Any], path: str) -> Any:
+    """The value at a CRD's JSON path (".spec.decode.replicas"); None where it is not set."""
+    for part in path.strip(".").split(".") if path else ():
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
 def requested_grace(query: dict[str, str], body: Any) -> int | None:
     """gracePeriodSeconds from DeleteOptions (body) or the query string; None when not given."""
     if isinstance(body, dict) and body.get("gracePeriodSeconds") is not None:
@@ -45,6 +54,8 @@ def requested_grace(query: dict[str, str], body: Any) -> int | None:
 @attrs.define(kw_only=True)
 class ClusterApiServer(KubeEmulator):
     """KubeEmulator + CRDs + graceful pod deletion + garbage collection of orphaned dependents."""
+
+    scales: dict[ResKey, dict[str, str]] = attrs.field(factory=dict, init=False)  # a CRD's /scale paths
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -65,8 +76,33 @@ class ClusterApiServer(KubeEmulator):
                     names["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced",
                     status_subresource="status" in (version.get("subresources") or {}),
                     short_names=tuple(names.get("shortNames") or ())))
+                if "scale" in (version.get("subresources") or {}):
+                    self.scales[(spec["group"], version["name"], names["plural"])] = version["subresources"]["scale"]
+
+    async def _scale(self, request: kmock.Request, key: ResKey) -> dict[str, Any]:
+        """GET or PATCH (merge: {"spec": {"replicas": n}}) the object's Scale."""
+        paths, ns, name = self.scales[key], request.namespace, request.name
+        if request.method.value.upper() == "PATCH":
+            body = self._body(request)
+            replicas = ((body or {}).get("spec") or {}).get("replicas") if isinstance(body, dict) else None
+            if not isinstance(replicas, int) or replicas < 0:
+                raise ApiStatus(422, "Invalid", f"spec.replicas must be an integer >= 0, got {replicas!r}")
+            patch: dict[str, Any] = replicas
+            for part in reversed(paths["specReplicasPath"].strip(".").split(".")):
+                patch = {part: patch}
+            await self._patch(key, ns, name, None, "application/merge-patch+json", patch)
+        elif request.method.value.upper() != "GET":
+            raise ApiStatus(405, "MethodNotAllowed", "/scale: GET and PATCH are emulated")
+        obj = self._fetch(key, ns, name)
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: obj["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion")},
+                "spec": {"replicas": _at(obj, paths["specReplicasPath"]) or 0},
+                "status": {"replicas": _at(obj, paths["statusReplicasPath"]) or 0,
+                           "selector": _at(obj, paths.get("labelSelectorPath", "")) or ""}}
 
     async def _dispatch(self, request: kmock.Request, key: ResKey) -> Any:
+        if request.subresource == "scale" and key in self.scales and request.name is not None:
+            return aiohttp.web.json_response(await self._scale(request, key))
         if request.method.value.upper() == "DELETE" and request.name is not None:
             grace = requested_grace(dict(request.params), self._body(request))
             out = await self._delete_with_grace(key, request.namespace, request.name, grace)

@@ -4,11 +4,14 @@ with the load gone (a trickle of short requests keeps flowing) it retires one af
 request completes (finish_reason length) across both changes; SIGTERM leaves no child behind."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -75,22 +78,49 @@ class Load:
         return self.outcomes
 
 
-def test_load_adds_a_decode_worker_and_idle_retires_it_without_failing_a_request(tmp_path):
+@dataclass
+class Up:
+    launcher: subprocess.Popen
+    router: str
+    status_url: str
+    text: Callable[[], str]  # its console output so far
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.status_url}/status", timeout=5).json()
+
+
+@contextlib.contextmanager
+def disagg_up(tmp_path: Path, spec: dict) -> Iterator[Up]:
+    """`disagg up -f spec` serving (its console in up.out, logs under logs/); SIGTERM'd at the end if still up."""
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump(SPEC))
+    spec_file.write_text(yaml.safe_dump(spec))
     port, status_port = free_port(), free_port()
-    router, status = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{status_port}"
     out_path = tmp_path / "up.out"
     out = out_path.open("w")
     launcher = subprocess.Popen([*CLI, "up", "-f", str(spec_file), "--port", str(port), "--status-port",
                                  str(status_port), "--log-dir", str(tmp_path / "logs")],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    text = out_path.read_text
-    get_status = lambda: httpx.get(f"{status}/status", timeout=5).json()  # noqa: E731
-    loads: list[Load] = []
+    up = Up(launcher, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{status_port}", out_path.read_text)
     try:
-        wait_for(lambda: "serving" in text() or launcher.poll() is not None, 120, "disagg up to serve")
-        assert launcher.poll() is None, text()
+        wait_for(lambda: "serving" in up.text() or launcher.poll() is not None, 120, "disagg up to serve")
+        assert launcher.poll() is None, up.text()
+        yield up
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(60)
+        out.close()
+
+
+def test_load_adds_a_decode_worker_and_idle_retires_it_without_failing_a_request(tmp_path):
+    loads: list[Load] = []
+    with disagg_up(tmp_path, SPEC) as up:
+        _scale_up_and_down(up, tmp_path, loads)
+
+
+def _scale_up_and_down(up: Up, tmp_path: Path, loads: list[Load]) -> None:
+    launcher, router, text, get_status = up.launcher, up.router, up.text, up.status
+    try:
         assert get_status()["replicas"] == {"prefill": 1, "decode": 1}
         t0 = time.monotonic()
 
@@ -143,10 +173,6 @@ def test_load_adds_a_decode_worker_and_idle_retires_it_without_failing_a_request
     finally:
         for load in loads:
             load.stop.set()
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(60)
-        out.close()
 
 
 def test_spec_file_written_by_this_test_is_valid_for_the_launcher(tmp_path):

@@ -54,6 +54,10 @@ class RoutingPicker:
         body = _json_object(request.body)
         path = request.path.split("?", 1)[0]
         generation = path in GENERATION_PATHS and body is not None
+        held = await state.hold.wait_for(state.decode) if state.hold is not None else None
+        if held is not None and not isinstance(held, float):  # the hold queue is full or the hold ran out
+            state.metrics.request(f"hold_{held.reason}")
+            return Pick(status=held.status, retry_after_s=held.retry_after_s, message=held.message)
         plan = await state.plan(body, path) if generation else RoutePlan()
         deadline = Deadline(state.timeouts)
         decode = await self._decode(plan, request.subset, deadline)

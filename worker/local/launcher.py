@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=lambda role: float(getattr(spec, role).termination_grace_period_seconds),
         router_verify=front.verify() if front.membership_url == front.url else True,
         on_membership=front.on_membership)
-    autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.enabled else None
+    autoscaler = LocalAutoscaler(spec.autoscaling, workers, say) if spec.autoscaling.builtin() else None
     stop, ready = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -353,6 +353,6 @@ def _supervise(doors: list[LocalProcess], workers: Any, autoscaler: Any, interva
                 door.start()
         workers.step()
         if autoscaler is not None and time.monotonic() >= next_tick:
-            next_tick = time.monotonic() + interval_s
             autoscaler.tick()
+            next_tick = time.monotonic() + autoscaler.next_tick_in()  # soon while the pools are at zero
     return 0

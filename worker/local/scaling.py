@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 
 from disagg.operator.autoscaling.scaling_pass import (
-    ROLES, Decision, PassState, PodSample, decision_json, policy_from_spec, run_pass, scaling_line, scrape_pods,
+    ROLES, Decision, PassState, PodSample, decision_json, iso, policy_from_spec, run_pass, scaling_line,
+    scrape_pods,
 )
 from disagg.worker.local.process import LocalProcess, ProcessSpec, is_ready
 from disagg.worker.router.discovery import write_endpoints
@@ -30,6 +31,7 @@ logger = logging.getLogger("disagg.launcher")
 STARTING, SERVING, LEAVING, DRAINING = "starting", "serving", "leaving", "draining"
 ACTIVE = (STARTING, SERVING)  # counted as replicas, listed in the endpoints file
 MAX_EVENTS = 20  # scaling events kept for /status
+ZERO_POLL_S = 0.5  # with the pools at zero, how often the router's held count is read (demand brings them back)
 
 
 class WorkerSet:
@@ -161,6 +163,7 @@ class LocalAutoscaler:
         self.state = PassState()  # what one pass hands the next
         self.last_decision: dict[str, Any] | None = None  # for /status
         self.events: list[dict[str, Any]] = []  # decisions that changed (dry run: would change) a role, newest last
+        self.at_zero = False  # scale to zero: the pools are at zero (the next tick comes soon: ZERO_POLL_S)
         if autoscaling.metrics_source.type != "scrape":
             say("  autoscaling: disagg up scrapes each worker's /metrics; metricsSource.type "
                 f"{autoscaling.metrics_source.type!r} is ignored")
@@ -170,6 +173,7 @@ class LocalAutoscaler:
                            {role: self.workers.newest_first(role) for role in ROLES}, self.workers.counts(),
                            self.policy, self.state, self.clock(), self.spec.dry_run)
         self.state = outcome.state
+        self.at_zero = outcome.at_zero and not self.spec.dry_run
         self.last_decision = decision_json(outcome.decision, self.spec.dry_run)
         for change in outcome.changes:
             self.events = [*self.events, change.as_json()][-MAX_EVENTS:]
@@ -183,9 +187,18 @@ class LocalAutoscaler:
         logger.debug("autoscale decision: %s", self.last_decision)  # every tick; the console shows changes
         return outcome.decision
 
+    def next_tick_in(self) -> float:
+        """Seconds to the next tick: the interval, or ZERO_POLL_S at zero (a held request must not wait for it)."""
+        return min(ZERO_POLL_S, self.spec.interval_seconds) if self.at_zero else self.spec.interval_seconds
+
     def status(self) -> dict[str, Any]:
+        zero = self.state.zero
         return {"enabled": True, "dryRun": self.spec.dry_run, "intervalSeconds": self.spec.interval_seconds,
-                "lastDecision": self.last_decision, "events": self.events}
+                "lastDecision": self.last_decision, "events": self.events,
+                "scaleToZero": {"enabled": self.spec.scale_to_zero.enabled, "atZero": self.at_zero,
+                                "reason": zero.reason if self.at_zero else None,
+                                "since": iso(zero.zero_since) if self.at_zero and zero.zero_since else None,
+                                "leftZeroAt": iso(zero.left_zero_at) if zero.left_zero_at else None}}
 
 
 def scrape_all(procs: list[LocalProcess], timeout: float, clock: Callable[[], float],

@@ -71,12 +71,14 @@ def add_status_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
+        """Ready when a decode endpoint is; or always while requests are held (hold.py): with the pools at
+        zero this router must stay in its Service, or the request that brings them back could not reach it."""
         n_decode, n_prefill = len(state.decode.available()), len(state.prefill.available())
-        body = {"ready": n_decode > 0 and not state.drain.draining, "decode_ready": n_decode,
-                "prefill_ready": n_prefill}
+        ready = (n_decode > 0 or state.hold is not None) and not state.drain.draining
+        body = {"ready": ready, "decode_ready": n_decode, "prefill_ready": n_prefill}
         if state.drain.draining:
             body["reason"] = "draining"
-        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/endpoints")
     async def endpoints() -> Response:
@@ -129,12 +131,18 @@ async def route(state: RouterState, request: Request, path: str) -> Reply:
         state.metrics.request("bad_request")
         return error_reply(400, problem, "invalid_request_error", problem.split(" ", 1)[0])
     headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
-    deadline = Deadline(state.timeouts)
 
     async def hops() -> Reply:
+        # with no decode ready (pools at zero, say) the request waits in the hold queue (hold.py), if it is on
+        held = await state.hold.wait_for(state.decode) if state.hold is not None else None
+        if held is not None and not isinstance(held, float):  # the hold queue is full or the hold ran out
+            state.metrics.request(f"hold_{held.reason}")
+            return state.hold.refusal_reply(held)
+        deadline = Deadline(state.timeouts)  # the hops' bounds start after the hold
         if (shed := await room_for(state, state.decode, deadline)) is not None:  # before any work for it
             return shed_reply(shed, headers)
-        return await serve(state, await state.plan(body, path), path, body, headers, deadline)
+        reply = await serve(state, await state.plan(body, path), path, body, headers, deadline)
+        return reply if held is None else state.hold.timed(reply, held, state.metrics.cold_started)
 
     return await answered(state, request, hops())
 

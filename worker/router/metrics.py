@@ -39,6 +39,10 @@ KV_PENDING_LOADS = "disagg:router_kv_pending_loads"
 KV_OLDEST_SEND_AGE = "disagg:router_kv_oldest_pending_send_seconds"
 KV_OLDEST_LOAD_AGE = "disagg:router_kv_oldest_pending_load_seconds"
 HANDOFF_TO_FIRST_TOKEN = "disagg:router_handoff_to_first_token_seconds"
+# requests held while no decode endpoint is ready (hold.py): the autoscaler's signal to scale from zero
+HELD_REQUESTS = "disagg:router_held_requests"
+COLD_START = "disagg:router_cold_start_seconds"
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 ENDPOINT_POD_LABEL = "endpoint_pod"
 ENDPOINT_LABELS = ("endpoint", ENDPOINT_POD_LABEL)
 
@@ -92,6 +96,19 @@ class RouterMetrics:
         self.refused_targets = Counter(REFUSED_PREFILL_TARGETS, "Prefill endpoints named by a request's "
                                        "x-prefiller-host-port that are not of this resource's prefill pool (not "
                                        "contacted; decoded alone).", LABELS, registry=r)
+
+        self.cold_start = Histogram(COLD_START, "Requests held while no decode endpoint was ready: from being held "
+                                    "to the client's first byte.", LABELS, buckets=COLD_START_BUCKETS, registry=r)
+
+        self.held: Callable[[], int] = lambda: 0  # requests held now (0 while holding is off), read when scraped
+        self.registry.register(_HeldCollector(self))
+
+    def watch_held(self, held: Callable[[], int]) -> None:
+        """Export the requests held now (hold.HoldQueue.held), read at each scrape."""
+        self.held = held
+
+    def cold_started(self, seconds: float) -> None:
+        self.cold_start.labels(self.model_name, self.role).observe(seconds)
 
     def handoff_consumed(self, seconds: float) -> None:
         self.handoff_latency.labels(self.model_name, self.role).observe(seconds)
@@ -194,4 +211,15 @@ class _QueueCollector:
         counts = self.waiting()
         for hop in ("prefill", "decode"):
             family.add_metric([self.metrics.model_name, self.metrics.role, hop], float(counts.get(hop, 0)))
+        yield family
+
+
+class _HeldCollector:
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        family = GaugeMetricFamily(HELD_REQUESTS, "Requests held now, waiting for a decode endpoint to be ready.",
+                                   labels=list(LABELS))
+        family.add_metric([self.metrics.model_name, self.metrics.role], float(self.metrics.held()))
         yield family

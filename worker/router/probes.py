@@ -61,6 +61,13 @@ async def await_ready(state: RouterState, pool: EndpointPool, deadline: Deadline
     return bool(pool.available())
 
 
+async def probe_not_ready(state: RouterState, pool: EndpointPool) -> None:
+    """Probe now the endpoints of `pool` that are not ready and whose probes do not time out (starting workers:
+    they refuse connections until they listen, then answer "not ready" until loaded) - for held requests."""
+    await asyncio.gather(*(_shared_probe(state, ep) for ep in list(pool.endpoints.values())
+                           if not ep.ready and ep.probe_timeouts == 0))
+
+
 async def _shared_probe(state: RouterState, ep: Endpoint) -> None:
     """Many requests may wait at once: they share one probe per endpoint."""
     task = ep.waiting_probe

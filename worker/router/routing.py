@@ -25,6 +25,7 @@ import uvicorn
 
 from disagg.worker.router.draining import CUT_GRACE_S, DRAIN_DELAY_S, DRAIN_TIMEOUT_S, Drain
 from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
+from disagg.worker.router.hold import HoldQueue, HoldSettings
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.outliers import OutlierPolicy
 from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicySettings, make_policy
@@ -160,6 +161,12 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of readiness probes timing out in a row after which a worker counts as hung: "
                         "it is taken out and the waits on it that streamed nothing yet fail over (0: never; the "
                         "bounds above still hold)")
+    # holding requests while no decode endpoint is ready (router/hold.py; scale from zero)
+    p.add_argument("--hold-seconds", type=float, default=0.0,
+                   help="hold a request that finds no ready decode endpoint up to this long (a pool scaled to "
+                        "zero, starting), then 503 with Retry-After (0: no hold - wait the connect bound, then 503)")
+    p.add_argument("--max-held-requests", type=int, default=100,
+                   help="requests held at once; one more gets 429 with Retry-After")
     # outlier detection (router/outliers.py)
     p.add_argument("--eject-after-failures", type=int, default=2,
                    help="failed hops in a row that eject a worker endpoint (a timed-out hop ejects at once)")
@@ -237,10 +244,12 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
     engine behind it, given as --decode)."""
     from disagg.worker.api_keys import worker_key
     from disagg.worker.router.discovery import FileDiscovery, KubernetesDiscovery
+    from disagg.worker.router.probes import probe_not_ready
 
     timeouts = HopTimeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout, args.request_timeout)
     ejection = OutlierPolicy(args.eject_after_failures, args.ejection_seconds, args.max_ejection_seconds)
-    problems = timeouts.problems() + ejection.problems()
+    hold = HoldSettings(args.hold_seconds, args.max_held_requests)
+    problems = timeouts.problems() + ejection.problems() + hold.problems()
     if args.unresponsive_after < 0:
         problems.append(f"--unresponsive-after must be >= 0 seconds, got {args.unresponsive_after}")
     if args.queue_wait < 0:
@@ -283,4 +292,7 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
                         max_queued=args.max_queued_requests)
     metrics.watch_handoffs(state.handoffs, state.members)
     metrics.watch_queues(lambda: {role: room.waiting for role, room in state.rooms.items()})
+    if hold.enabled:
+        state.hold = HoldQueue(hold, functools.partial(probe_not_ready, state))
+        metrics.watch_held(lambda: state.hold.held)
     return Routing(state, discovery, args, worker_key(getattr(args, "worker_api_key_file", None)))

@@ -19,6 +19,7 @@ from disagg.worker.router.timeouts import HopTimeout, HopTimeouts
 from disagg.worker.router.waiting_room import WaitingRoom
 
 if TYPE_CHECKING:
+    from disagg.worker.router.hold import HoldQueue
     from disagg.worker.router.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class RouterState:
     early_first_token: bool = True  # stream the prefill's token before the decode hop (early_first_chunk)
     prefix: PrefixRouter | None = None  # a policy's prefix facts (prefix_router.py) when it reads them, else None
     handoffs: HandoffLedger = field(default_factory=HandoffLedger)  # KV hand-offs pending per endpoint
+    hold: HoldQueue | None = None  # requests waiting for a decode endpoint (hold.py); None: not held
     queue_wait_s: float | None = None  # how long a request waits for room at a saturated pool (None: the default)
     max_queued: int | None = None  # how many may wait at once, per pool (None: the default)
     rooms: dict[str, WaitingRoom] = field(default_factory=dict)  # role -> its waiting room (capacity.py)

@@ -37,6 +37,7 @@ from disagg.operator.autoscaling.policy import Decision
 from disagg.operator.autoscaling.report import ScalingChange, iso, status_metrics
 from disagg.operator.autoscaling.samples import PodSample
 from disagg.operator.autoscaling.scaling_pass import PassOutcome, PassState, run_pass
+from disagg.operator.autoscaling.zero import ZeroState, ZeroStep
 from disagg.operator.kube import ApiError, TransientApiError
 from disagg.operator.naming import (
     ANNOTATION_DELETION_COST, ANNOTATION_METRICS_PORT, HTTP_PORT, child_name, label_selector,
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 VICTIM_DELETION_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
 REVERTED_SOURCE = "the autoscaler's decision"  # where a reverted hand edit's replicas come from
+ZERO_POLL_S = 1  # with the pools at zero, seconds between passes (each reads only the router pods)
 
 
 class Cluster(r.Cluster, Protocol):
@@ -123,10 +125,27 @@ def deletion_cost_patches(pods: list[dict[str, Any]], victims: list[str]) -> dic
 
 
 # ---------------------------------------------------------------- status (a report of the decision)
+def zero_status(zero: ZeroStep | None, old: dict[str, Any]) -> dict[str, Any] | None:
+    """status.autoscaling.scaleToZero (None with scale to zero off). The times outlive the operator's memory: a
+    pool still at zero keeps the `since` status already says; leftZeroAt stays until the next return."""
+    if zero is None or zero.reason is None and zero.state == ZeroState():
+        return None
+    at_zero = zero.reason in ("ScaledToZero", "AtZero")
+    since = old.get("since") if at_zero and old.get("atZero") else None
+    if at_zero and since is None and zero.state.zero_since is not None:
+        since = iso(zero.state.zero_since)
+    left = iso(zero.state.left_zero_at) if zero.state.left_zero_at is not None else old.get("leftZeroAt")
+    reason = zero.state.reason if at_zero else None
+    return {"atZero": at_zero, "heldRequests": zero.held, **({"reason": reason} if reason else {}),
+            **({"since": since} if since else {}), **({"leftZeroAt": left} if left else {})}
+
+
 def scaling_status(decision: Decision, changes: list[ScalingChange], old: dict[str, Any],
-                   dry_run: bool) -> dict[str, Any]:
+                   dry_run: bool, zero: ZeroStep | None = None) -> dict[str, Any]:
     """status.autoscaling for this decision; lastDecision is the latest change told (kept until the next)."""
     status: dict[str, Any] = {"dryRun": dry_run}
+    if (z := zero_status(zero, old.get("scaleToZero") or {})) is not None:
+        status["scaleToZero"] = z
     for role, d in decision.roles.items():
         signals = decision.signals.get(role, {})
         status[role] = {"current": d.current, "desired": d.desired, "reason": d.reason,
@@ -221,7 +240,7 @@ def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: dat
     if body is None:
         return None
     spec, problems = r.check(body)
-    if spec is None or problems or not spec.autoscaling.enabled:
+    if spec is None or problems or not spec.autoscaling.builtin():
         return None
     meta = body["metadata"]
     owner = m.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
@@ -235,12 +254,15 @@ def autoscale(body: dict[str, Any], cluster: Cluster, state: PassState, now: dat
     dry_run = spec.autoscaling.dry_run
     outcome = run_pass(lambda: _read_samples(spec, pods, clock), {role: removable_pods(pods[role]) for role in ROLES},
                        current, policy_from_spec(spec.autoscaling), state, clock(), dry_run)
-    result = AutoscaleResult(outcome.decision, outcome.state, spec.autoscaling.interval_seconds, dry_run,
-                             outcome.changes)
+    # at zero the routers' held count is read every ZERO_POLL_S: a held request must not wait for the interval
+    interval = min(ZERO_POLL_S, spec.autoscaling.interval_seconds) if outcome.at_zero and not dry_run else \
+        spec.autoscaling.interval_seconds
+    result = AutoscaleResult(outcome.decision, outcome.state, interval, dry_run, outcome.changes)
     if not dry_run:
         _apply(cluster, owner.namespace, deployments, pods, outcome, result)  # type: ignore[arg-type]
     old = body.get("status") or {}
-    scaled = scaling_status(outcome.decision, outcome.changes, old.get("autoscaling") or {}, dry_run)
+    scaled = scaling_status(outcome.decision, outcome.changes, old.get("autoscaling") or {}, dry_run,
+                            outcome.zero)
     conditions = scaling_conditions(outcome.decision, old.get("conditions") or [], int(meta.get("generation", 0)),
                                     now)
     if scaled != old.get("autoscaling") or conditions != old.get("conditions"):

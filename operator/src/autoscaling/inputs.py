@@ -60,6 +60,7 @@ class AutoscalePolicy:
     scale_up_lookahead_seconds: float = 0.0
     max_step_percent: float | None = None  # scale-up step also allowed up to this % of current (HPA: 100 per 15 s)
     prefill_utilization: float = 1.0  # with a lookahead: the prefill pods' busy fraction to size for (0..1]
+    idle_to_zero_seconds: float | None = None  # scaleToZero: both pools to 0 after this long idle (None: off)
 
     def bounds(self, role: str) -> RoleBounds:
         return self.prefill if role == "prefill" else self.decode
@@ -94,6 +95,7 @@ def policy_from_spec(spec_autoscaling) -> AutoscalePolicy:
         scale_up_lookahead_seconds=a.stabilization.scale_up_lookahead_seconds,
         max_step_percent=a.max_step_percent_per_interval,
         prefill_utilization=t.prefill.utilization_percent / 100,
+        idle_to_zero_seconds=a.scale_to_zero.idle_seconds if a.scale_to_zero.enabled else None,
     )
 
 

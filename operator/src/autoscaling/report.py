@@ -56,7 +56,10 @@ class ScalingChange:
 
     @property
     def event_reason(self) -> str:
-        verb = "ScaledUp" if self.to_replicas > self.from_replicas else "ScaledDown"
+        if self.reason in ("ScaledToZero", "ScaledFromZero"):  # scale to zero's transitions (zero.py)
+            verb = self.reason
+        else:
+            verb = "ScaledUp" if self.to_replicas > self.from_replicas else "ScaledDown"
         return f"DryRun{verb}" if self.dry_run else verb
 
     @property

@@ -19,7 +19,8 @@ from disagg.worker.metric_names import (  # noqa: F401 (the policy modules read 
 # behind a gateway) exports them per endpoint, labelled with that endpoint's pod (router/handoffs.py). Read into
 # the named pod's sample under these names (attribute_handoff_signals).
 from disagg.worker.router.metrics import (  # noqa: E402
-    ENDPOINT_POD_LABEL, KV_PENDING_LOADS as ROUTER_PENDING_LOADS, KV_PENDING_SENDS as ROUTER_PENDING_SENDS,
+    ENDPOINT_POD_LABEL, HELD_REQUESTS, KV_PENDING_LOADS as ROUTER_PENDING_LOADS,
+    KV_PENDING_SENDS as ROUTER_PENDING_SENDS,
 )
 HANDOFF_SIGNALS = (ROUTER_PENDING_SENDS, ROUTER_PENDING_LOADS)
 # vLLM has no disagg:kv_pending_loads; its decode workers count requests by async KV load stage instead. Those

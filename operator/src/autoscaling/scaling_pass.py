@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 from disagg.operator.autoscaling.inputs import ROLES, AutoscalePolicy, policy_from_spec
 from disagg.operator.autoscaling.policy import Decision, ScalingHistory, decide
-from disagg.operator.autoscaling.report import ScalingChange, decision_json, role_metrics, scaling_line
+from disagg.operator.autoscaling.report import ScalingChange, decision_json, iso, role_metrics, scaling_line
 from disagg.operator.autoscaling.samples import PodSample, attribute_handoff_signals, pod_load
 from disagg.operator.autoscaling.sources import scrape_pods
+from disagg.operator.autoscaling.zero import ZeroState, ZeroStep, zero_step
 
 __all__ = ["ROLES", "Decision", "PassOutcome", "PassState", "PodSample", "ScalingChange", "choose_removals",
-           "decision_json", "policy_from_spec", "run_pass", "scaling_line", "scrape_pods"]
+           "decision_json", "iso", "policy_from_spec", "run_pass", "scaling_line", "scrape_pods"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class PassState:
 
     history: ScalingHistory = field(default_factory=ScalingHistory)  # the policy's (stabilization, windows)
     reported: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (from, to) told in dry run
+    zero: ZeroState = field(default_factory=ZeroState)  # scale to zero: idle since, at zero since (zero.py)
 
 
 @dataclass
@@ -36,6 +38,12 @@ class PassOutcome:
     changes: list[ScalingChange]  # pool changes to apply and tell; in dry run a would-be change is told once
     removals: dict[str, list[str]]  # role -> members to remove, in order (never in dry run)
     state: PassState  # pass to the next run_pass()
+    zero: ZeroStep | None = None  # scale to zero's part in this decision (zero.py)
+
+    @property
+    def at_zero(self) -> bool:
+        """The pools are (to be) at zero: poll the routers' held count often, not every interval."""
+        return all(d.desired == 0 for d in self.decision.roles.values())
 
 
 def choose_removals(candidates: Sequence[str], samples: list[PodSample], count: int) -> list[str]:
@@ -53,6 +61,12 @@ def run_pass(scrape: Callable[[], list[PodSample]], members: dict[str, list[str]
     samples = attribute_handoff_signals(scrape())  # routers' pages name the workers' pending KV (any engine)
     by_role = {role: [s for s in samples if s.role == role] for role in ROLES}
     decision = decide(by_role, current, policy, state.history, now)
+    zero = zero_step(policy.idle_to_zero_seconds, {r: policy.bounds(r).min_replicas for r in ROLES}, samples,
+                     current, state.zero, now)
+    for role, replicas in (zero.desired or {}).items():  # at zero, or leaving or entering it: not the policy's
+        d = decision.roles[role]
+        d.desired, d.reason, d.limited_by = replicas, zero.reason, None
+        decision.reason = zero.reason
     changes: list[ScalingChange] = []
     removals: dict[str, list[str]] = {}
     reported: dict[str, tuple[int, int]] = {}
@@ -68,4 +82,4 @@ def run_pass(scrape: Callable[[], list[PodSample]], members: dict[str, list[str]
                                      role_metrics(decision, role), decision.decided_by.get(role, [])))
         if not dry_run and d.desired < d.current:
             removals[role] = choose_removals(members.get(role, []), by_role[role], d.current - d.desired)
-    return PassOutcome(decision, samples, changes, removals, PassState(decision.history, reported))
+    return PassOutcome(decision, samples, changes, removals, PassState(decision.history, reported, zero.state), zero)

@@ -71,7 +71,8 @@ def test_dashboard_queries_name_only_exported_metrics_and_defined_variables(rend
                  "disagg:router_kv_oldest_pending_send_seconds", "disagg:router_handoff_to_first_token_seconds_bucket",
                  "disagg:router_hop_latency_seconds_bucket",
                  "disagg:router_decode_alone_total", "disagg_operator_desired_replicas",
-                 "disagg_operator_scaling_decisions_total"):
+                 "disagg_operator_scaling_decisions_total", "disagg:router_held_requests",
+                 "disagg:router_cold_start_seconds_bucket"):
         assert name in used, f"no panel shows {name}"
 
 

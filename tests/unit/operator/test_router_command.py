@@ -121,3 +121,13 @@ def test_every_router_command_parses_with_the_routers_parser(policy, engine, aut
         assert args.discovery == "static"
         assert args.prefill == [w.url for w in workers if w.role == "prefill"]
         assert args.decode == [w.url for w in workers if w.role == "decode"] != []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_scale_to_zero_makes_the_router_hold_requests(target):
+    spec = spec_for("least-loaded", "disagg", True, "defaults")
+    assert parse_like_the_router(router_command(spec, target)[0]).hold_seconds == 0  # off by default: no hold
+    zero = spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(update={
+        "scale_to_zero": s.ScaleToZero(enabled=True, hold_seconds=45, max_held_requests=7)})})
+    args = parse_like_the_router(router_command(zero, target)[0])
+    assert (args.hold_seconds, args.max_held_requests) == (45, 7)

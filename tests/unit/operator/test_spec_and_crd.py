@@ -46,7 +46,11 @@ def test_crd_names_and_version():
     c = crd.build_crd()
     assert c["metadata"]["name"] == "disaggregatedinferences.disagg.dev"
     v = c["spec"]["versions"][0]
-    assert (v["name"], v["served"], v["storage"], v["subresources"]) == ("v1alpha1", True, True, {"status": {}})
+    assert (v["name"], v["served"], v["storage"]) == ("v1alpha1", True, True)
+    # /scale: the decode pool as an HPA's or KEDA's scale target (spec.autoscaling.mode external)
+    assert v["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.decode.replicas", "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector"}}
     assert c["spec"]["names"]["shortNames"] == ["dinf"]
     assert {col["name"] for col in v["additionalPrinterColumns"]} >= {"Ready", "Prefill", "Decode", "Age"}
 
