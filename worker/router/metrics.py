@@ -99,6 +99,8 @@ class RouterMetrics:
 
         self.cold_start = Histogram(COLD_START, "Requests held while no decode endpoint was ready: from being held "
                                     "to the client's first byte.", LABELS, buckets=COLD_START_BUCKETS, registry=r)
+        # exported from the start (count 0): a dashboard panel and an alert on it find the series before any cold start
+        self.cold_start.labels(self.model_name, self.role)
 
         self.held: Callable[[], int] = lambda: 0  # requests held now (0 while holding is off), read when scraped
         self.registry.register(_HeldCollector(self))
