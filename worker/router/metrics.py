@@ -99,8 +99,6 @@ class RouterMetrics:
 
         self.cold_start = Histogram(COLD_START, "Requests held while no decode endpoint was ready: from being held "
                                     "to the client's first byte.", LABELS, buckets=COLD_START_BUCKETS, registry=r)
-        # exported from the start (count 0): a dashboard panel and an alert on it find the series before any cold start
-        self.cold_start.labels(self.model_name, self.role)
 
         self.held: Callable[[], int] = lambda: 0  # requests held now (0 while holding is off), read when scraped
         self.registry.register(_HeldCollector(self))
@@ -108,6 +106,12 @@ class RouterMetrics:
     def watch_held(self, held: Callable[[], int]) -> None:
         """Export the requests held now (hold.HoldQueue.held), read at each scrape."""
         self.held = held
+
+    def learned_model(self, name: str) -> None:
+        """The served model's name, from a worker; the cold-start histogram is exported from then on (count 0), so
+        a dashboard panel on it has a series before the first cold start."""
+        self.model_name = name
+        self.cold_start.labels(name, self.role)
 
     def cold_started(self, seconds: float) -> None:
         self.cold_start.labels(self.model_name, self.role).observe(seconds)

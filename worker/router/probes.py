@@ -108,7 +108,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
     if ready and state.metrics.model_name == "":
         try:
             r = await state.probes.get(f"{ep.url}/v1/models", timeout=2.0)
-            state.metrics.model_name = r.json()["data"][0]["id"]
+            state.metrics.learned_model(r.json()["data"][0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             pass
 
