@@ -105,14 +105,19 @@ def relabel_config(rule: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pod_monitor_scrape_config(pm: dict[str, Any], targets: list[DiscoveredPod]) -> dict[str, Any]:
-    """The scrape config the Prometheus Operator generates for the PodMonitor's one endpoint (its
+def pod_monitor_scrape_configs(pm: dict[str, Any], targets: list[DiscoveredPod]) -> list[dict[str, Any]]:
+    """The scrape configs the Prometheus Operator generates for the PodMonitor, one per endpoint."""
+    return [pod_monitor_scrape_config(pm, i, targets) for i in range(len(pm["spec"]["podMetricsEndpoints"]))]
+
+
+def pod_monitor_scrape_config(pm: dict[str, Any], index: int, targets: list[DiscoveredPod]) -> dict[str, Any]:
+    """The scrape config the Prometheus Operator generates for the PodMonitor's endpoint `index` (its
     generatePodMonitorConfig: keep the pods its selector and port match; namespace, container and pod labels;
     podTargetLabels; job, then jobLabel; endpoint; then the endpoint's own relabelings), with static targets in
     place of Kubernetes discovery: each carries the __meta_kubernetes_* labels pod discovery gives a pod, so the
     relabeling really runs, and a pod the PodMonitor would not select is dropped."""
     spec = pm["spec"]
-    (endpoint,) = spec["podMetricsEndpoints"]
+    endpoint = spec["podMetricsEndpoints"][index]
     rules: list[dict[str, Any]] = [
         {"source_labels": [f"__meta_kubernetes_pod_label_{sanitized(k)}",
                            f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}"], "action": "keep",
@@ -140,7 +145,7 @@ def pod_monitor_scrape_config(pm: dict[str, Any], targets: list[DiscoveredPod]) 
             meta[f"__meta_kubernetes_pod_labelpresent_{sanitized(k)}"] = "true"
         return meta
 
-    return {"job_name": f"podMonitor/{pm['metadata']['namespace']}/{pm['metadata']['name']}/0",
+    return {"job_name": f"podMonitor/{pm['metadata']['namespace']}/{pm['metadata']['name']}/{index}",
             "honor_labels": bool(endpoint.get("honorLabels", False)), "metrics_path": endpoint.get("path", "/metrics"),
             "static_configs": [{"targets": [t.address], "labels": discovered(t)} for t in targets],
             "relabel_configs": rules,

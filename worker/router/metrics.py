@@ -61,7 +61,9 @@ class RouterMetrics:
                                   labels, registry=r)
         self.hop_latency = Histogram(HOP_LATENCY, "Hop latency: prefill until the response, decode until the last "
                                      "byte.", labels, buckets=E2E_BUCKETS, registry=r)
-        self.requests = Counter(REQUESTS, "Client requests, by outcome (ok, bad_request, timeout, unavailable, "
+        self.requests = Counter(REQUESTS, "Requests answered, by outcome; a front door's (role router, epp: the "
+                                "endpoint picker's picks) are the client requests, a pd-proxy's (role prefill, "
+                                "decode) the ones it relayed to its engine (ok, bad_request, timeout, unavailable, "
                                 "upstream_error; shed: 429, every worker at capacity; busy: 503, the router's "
                                 "connections to workers all in use; client_gone: the client left first).",
                                 (*LABELS, "outcome"), registry=r)

@@ -7,7 +7,7 @@ operator's metrics server (the OperatorMetrics registry served by prometheus_cli
 (`metricsSource: prometheus`, operator/src/autoscaling/cluster.from_prometheus).
 
 The worker and router targets are scraped as the chart's worker PodMonitor makes the Prometheus Operator scrape
-them (prometheus_cli.pod_monitor_scrape_config): each is a pod labelled as the operator labels its pods, and the
+them (prometheus_cli.pod_monitor_scrape_configs): each is a pod labelled as the operator labels its pods, and the
 PodMonitor's relabelings run, so `role` and `resource` come from the pod's labels whatever the engine exports. The
 operator's target carries the labels its own PodMonitor gives it (honor_labels), so the queries run here
 unchanged."""
@@ -24,7 +24,7 @@ from monitoring_stack import CLI, CrashingPrefill, operator_pod_labels, start_re
 from prometheus_client import start_http_server
 
 from prometheus_cli import (MISSING, SELECTOR, METRIC_NAME, DiscoveredPod, PrometheusServer, alerts, binary,
-                            dashboard_queries, exported_metric_names, load_dashboard, pod_monitor_scrape_config,
+                            dashboard_queries, exported_metric_names, load_dashboard, pod_monitor_scrape_configs,
                             render_monitoring, render_worker_pod_monitor, substitute, write_rules_file)
 from vllm_fleet import SKIP_REASON, STARTUP_S, vllm_executable, write_vllm_checkpoint
 from waiting import wait_for
@@ -103,7 +103,7 @@ def stack(request, tiny_model_dir, tmp_path_factory):
         targets += [DiscoveredPod(p.spec.url.removeprefix("http://"), NS, f"{RESOURCE}-router-{i}", labels["router"])
                     for i, p in enumerate(routers)]
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(rules)],
-                  "scrape_configs": [pod_monitor_scrape_config(monitor, targets), _operator_job(op_port)]}
+                  "scrape_configs": [*pod_monitor_scrape_configs(monitor, targets), _operator_job(op_port)]}
         prom = PrometheusServer(config, work, free_port())
         wait_for(prom.ready, 30, "prometheus ready", interval=0.2)
         stack = Stack(engine, prom, load_dashboard(cm), rule)
@@ -317,5 +317,8 @@ def test_rules_evaluate_in_prometheus_and_the_real_faults_raise_their_alerts(sta
     while now_active != want and time.monotonic() < deadline:
         time.sleep(0.5)
         now_active = active()
-    assert now_active == want
+    ratios = {q: stack.prom.query(q)["data"]["result"] for q in (
+        "sum by (namespace, resource) (increase(disagg:router_decode_alone_total[5m]))",
+        "sum by (namespace, resource) (increase(disagg:router_requests_total[5m]))")}
+    assert now_active == want, ratios
 

@@ -222,12 +222,12 @@ def test_rbac_and_service_account_can_be_brought_by_the_admin(render):
 
 
 # ---------------------------------------------------------------- monitoring
-def worker_pod_templates() -> list[dict]:
-    example = yaml.safe_load((ROOT / "examples" / "llama3-8b-gpu.yaml").read_text())
+def worker_pod_templates(example_file: str = "llama3-8b-gpu.yaml") -> list[dict]:
+    """The pod templates of the Deployments the operator makes for an example resource."""
+    example = yaml.safe_load((ROOT / "examples" / example_file).read_text())
     owner = m.Owner(name="llama3-8b", namespace="team-a", uid="uid-1")
     spec = s.parse_spec(example["spec"])
     deployments = [d for d in m.desired_children(owner, spec) if d["kind"] == "Deployment"]
-    assert {d["metadata"]["labels"][naming.LABEL_COMPONENT] for d in deployments} == {"prefill", "decode", "router"}
     return [d["spec"]["template"] for d in deployments]
 
 
@@ -237,13 +237,15 @@ def test_worker_pod_monitor_selects_every_worker_pod_and_its_metrics_port(render
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     assert pm["metadata"]["labels"]["release"] == "prometheus"
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
-    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
-    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
-    for tpl in worker_pod_templates():
+    endpoints = pm["spec"]["podMetricsEndpoints"]
+    assert {(e["path"], e["interval"]) for e in endpoints} == {("/metrics", "15s")}
+    for tpl in worker_pod_templates() + worker_pod_templates("llama3-8b-gateway.yaml"):
         labels = tpl["metadata"]["labels"]
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert set(pm["spec"]["podTargetLabels"]) <= labels.keys()
-        assert endpoint["port"] in {p["name"] for p in tpl["spec"]["containers"][0]["ports"]}
+        # each pod serves /metrics on exactly one of the endpoints' ports (else it would be scraped twice)
+        ports = {p["name"] for c in tpl["spec"]["containers"] for p in c.get("ports", ())}
+        assert len(ports & {e["port"] for e in endpoints}) == 1, (labels[naming.LABEL_COMPONENT], ports)
     (pm,) = by_kind(render("-f", CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
     assert pm["spec"]["namespaceSelector"] == {"any": True}
 
@@ -255,14 +257,14 @@ def test_worker_pod_monitor_labels_every_series_with_the_pods_role_and_resource(
     docs = render("-f", CHART / "ci" / "monitoring-values.yaml",
                   "--set-json", f"monitoring.workers.podMonitor.relabelings=[{json.dumps(extra)}]")
     (pm,) = by_kind(docs, "PodMonitor")
-    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
     meta = lambda label: "__meta_kubernetes_pod_label_" + sanitized(label)  # noqa: E731
-    assert endpoint["relabelings"] == [{"sourceLabels": [meta(naming.LABEL_COMPONENT)], "targetLabel": "role"},
-                                       {"sourceLabels": [meta(naming.LABEL_INSTANCE)], "targetLabel": "resource"},
-                                       extra]
-    for tpl in worker_pod_templates():
+    for endpoint in pm["spec"]["podMetricsEndpoints"]:
+        assert endpoint["relabelings"] == [{"sourceLabels": [meta(naming.LABEL_COMPONENT)], "targetLabel": "role"},
+                                           {"sourceLabels": [meta(naming.LABEL_INSTANCE)], "targetLabel": "resource"},
+                                           extra]
+    for tpl in worker_pod_templates() + worker_pod_templates("llama3-8b-gateway.yaml"):
         labels = tpl["metadata"]["labels"]
-        assert labels[naming.LABEL_COMPONENT] in ("prefill", "decode", "router")
+        assert labels[naming.LABEL_COMPONENT] in ("prefill", "decode", "router", "epp")
         assert naming.LABEL_INSTANCE in labels
 
 

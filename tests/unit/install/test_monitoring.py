@@ -126,12 +126,13 @@ def test_the_documented_scrape_job_labels_series_as_the_charts_pod_monitor(helm_
     (job,) = yaml.safe_load(block)["scrape_configs"]
     assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
     monitor = render_worker_pod_monitor(helm_home)["spec"]
-    (endpoint,) = monitor["podMetricsEndpoints"]
+    endpoints = monitor["podMetricsEndpoints"]
     rules = job["relabel_configs"]
-    assert [relabel_config(r) for r in endpoint["relabelings"]] == [r for r in rules if r.get("target_label") in
-                                                                   ("role", "resource")]
+    for endpoint in endpoints:
+        assert [relabel_config(r) for r in endpoint["relabelings"]] == [r for r in rules if r.get("target_label") in
+                                                                       ("role", "resource")]
     keep = {r["source_labels"][0]: r["regex"] for r in rules if r.get("action") == "keep"}
     assert keep == {**{f"__meta_kubernetes_pod_label_{sanitized(k)}": v
                        for k, v in monitor["selector"]["matchLabels"].items()},
-                    "__meta_kubernetes_pod_container_port_name": endpoint["port"]}
+                    "__meta_kubernetes_pod_container_port_name": "|".join(e["port"] for e in endpoints)}
     assert {r.get("target_label") for r in rules} >= {"namespace", "pod", "role", "resource"}
