@@ -63,14 +63,17 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
 
     @app.get("/ready")
     async def ready() -> Response:
+        """Ready when the engine is, as this proxy's own view of it says: the probe updates the endpoint its
+        hops use, so a router that saw this pod ready is never refused by the proxy for an engine it has not
+        yet probed (a worker coming back from zero)."""
+        from disagg.worker.router.probes import probe_endpoint
+
         if app.state.server is not None and app.state.server.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
-        try:
-            r = await state.probes.get(f"{engine_url}/health", timeout=2.0)
-        except httpx.HTTPError as e:
-            return JSONResponse({"ready": False, "reason": f"engine: {type(e).__name__}"}, status_code=503)
-        return JSONResponse({"ready": r.status_code == 200, "role": role}, status_code=200 if r.status_code == 200
-                            else 503)
+        (engine,) = state.decode.endpoints.values()
+        if not await probe_endpoint(state, engine):
+            return JSONResponse({"ready": False, "reason": "engine not ready"}, status_code=503)
+        return JSONResponse({"ready": True, "role": role}, status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

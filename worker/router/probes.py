@@ -68,6 +68,12 @@ async def probe_not_ready(state: RouterState, pool: EndpointPool) -> None:
                            if not ep.ready and ep.probe_timeouts == 0))
 
 
+async def probe_endpoint(state: RouterState, ep: Endpoint) -> bool:
+    """Probe `ep` now (sharing a probe already in flight); whether it is ready."""
+    await _shared_probe(state, ep)
+    return ep.ready
+
+
 async def _shared_probe(state: RouterState, ep: Endpoint) -> None:
     """Many requests may wait at once: they share one probe per endpoint."""
     task = ep.waiting_probe

@@ -60,3 +60,24 @@ async def test_a_hand_off_the_engine_failed_on_stays_pending_at_its_prefill():
     assert r.status_code == 503
     sends, loads = state.handoffs.pending()
     assert list(sends) == [PREFILL] and sends[PREFILL][0] == 1 and loads == {}
+
+
+@pytest.mark.asyncio
+async def test_once_ready_says_the_engine_is_up_the_proxy_serves_with_it():
+    """A vLLM pod coming back from zero: the proxy's earlier probes of its engine were refused (not listening
+    yet). When its /ready answers 200 - the router then sends the held requests - its own hops must take the
+    engine too, not answer 503 "no decode endpoint available" until their next probe round."""
+    client, state, seen = pd_proxy(200)
+    engine = state.decode.endpoints[ENGINE]
+    engine.ready, engine.refused_at = False, 0.0
+    health = {"status": 503}
+
+    def probes(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404 if request.url.path == "/ready" else health["status"])
+
+    state.probe_client = httpx.AsyncClient(transport=httpx.MockTransport(probes))
+    assert (await client.get("/ready")).status_code == 503  # loading: not ready
+    health["status"] = 200
+    assert (await client.get("/ready")).status_code == 200
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 200 and seen == [ENGINE], r.text
