@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import http.server
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from typing import Any
 import httpx
 
 from disagg.worker.ports import free_port  # noqa: F401 - the launcher's and the tests' import of it
+
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 
@@ -55,6 +58,19 @@ class ProcessSpec:
 
 
 
+def kill_group(pgid: int) -> bool:
+    """SIGKILL what is left of process group `pgid` (its leader exited); whether anything was left."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def die_with_parent() -> None:
     # the child gets SIGTERM if the launcher dies without cleaning up (Linux)
     try:
@@ -71,6 +87,7 @@ class LocalProcess:
         self.started_at = 0.0
         self.state = "starting"  # starting | serving | leaving | draining (see scaling.WorkerSet)
         self.state_since = 0.0
+        self._reaped: set[int] = set()  # pids whose process group was cleaned after they exited
 
     def start(self) -> None:
         log = self.log_path.open("ab")
@@ -82,7 +99,14 @@ class LocalProcess:
         self.started_at = time.monotonic()
 
     def exited(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
+        """The exit status, None while running. The first time an exit is seen, whatever the process left running
+        in its process group is killed (an engine's subprocesses orphaned when it was killed mid-start)."""
+        rc = None if self.popen is None else self.popen.poll()
+        if rc is not None and self.popen.pid not in self._reaped:
+            self._reaped.add(self.popen.pid)
+            if kill_group(self.popen.pid):
+                logger.warning("%s exited; killed the processes it left in its group", self.spec.name)
+        return rc
 
     def terminate(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -92,6 +116,7 @@ class LocalProcess:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+        self.exited()
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -138,6 +163,7 @@ def shutdown(procs: list[LocalProcess], grace_s: float, say: Any) -> None:
                 continue
             try:
                 p.popen.wait(max(deadline - time.monotonic(), 0.1))
+                p.exited()
             except subprocess.TimeoutExpired:
                 say(f"  {p.spec.name} did not stop within {grace_s:.0f}s; killing it")
                 p.kill()

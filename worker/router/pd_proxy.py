@@ -277,9 +277,11 @@ def _engine_child(command: list[str], server: Any, drain_s: float) -> Any:
     import subprocess
     import threading
 
-    from disagg.worker.local.process import die_with_parent
+    from disagg.worker.local.process import die_with_parent, kill_group
 
-    engine = subprocess.Popen(command, preexec_fn=die_with_parent)
+    # its own process group: an engine killed mid-start (vLLM loading) leaves its engine-core processes behind,
+    # and they are killed with the group
+    engine = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True)
     logger.info("engine started (pid %d): %s", engine.pid, " ".join(command[:3]))
 
     def watch() -> None:
@@ -300,3 +302,5 @@ def _engine_child(command: list[str], server: Any, drain_s: float) -> Any:
                 logger.error("the engine did not stop within %.0f s; killing it", drain_s + 10)
                 engine.kill()
                 engine.wait()
+        if kill_group(engine.pid):
+            logger.warning("the engine left processes running; killed them")

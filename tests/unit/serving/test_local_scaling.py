@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -277,3 +278,72 @@ def test_missing_metrics_hold():
     assert scaler.tick().reason == "MetricsMissing" and workers.calls == [] and said == []
     assert scaling_line(ScalingChange("decode", 2, 1, "Underutilized", False, 0.0)) == \
         "[1970-01-01T00:00:00Z] autoscale: decode 2 -> 1 (Underutilized) "
+
+
+# ---------------------------------------------------------------- leftovers of a stopped process
+# an engine that starts a child deaf to SIGTERM (as vLLM's engine core is while it loads), writes the child's pid
+# to the file named by its argument, and is deaf to SIGTERM too (--deaf) or not
+ORPHANING = """
+import signal, subprocess, sys, time
+if "--deaf" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+                          "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(child.pid))
+import os; os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def _orphaning(tmp_path: Path, *flags: str) -> tuple[list[str], Path]:
+    script, pid_file = tmp_path / "engine.py", tmp_path / "child.pid"
+    script.write_text(ORPHANING)
+    return [sys.executable, str(script), str(pid_file), *flags], pid_file
+
+
+def _child_pid(pid_file) -> int:
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_a_stopped_worker_leaves_no_process_of_its_group_behind(tmp_path):
+    """`disagg up` stops a worker whose engine is still loading: what that engine started dies with it."""
+    argv, pid_file = _orphaning(tmp_path)
+    p = LocalProcess(ProcessSpec("decode-0", argv, "http://127.0.0.1:1", role="decode"), tmp_path)
+    p.start()
+    child = _child_pid(pid_file)
+    p.terminate()
+    p.popen.wait(10)
+    assert _alive(child)  # the leader is gone, its child is not: an orphan until the exit is seen
+    assert p.exited() is not None
+    assert _gone(child)
+
+
+def test_pd_proxy_kills_what_its_engine_left_when_it_stops(tmp_path):
+    """The engine ignores SIGTERM (vLLM mid-load): pd-proxy kills it at its bound, and its engine core too."""
+    from disagg.worker.router import pd_proxy
+
+    argv, pid_file = _orphaning(tmp_path, "--deaf")
+    with pd_proxy._engine_child(argv, SimpleNamespace(should_exit=False), drain_s=-9.5) as engine:  # bound 0.5 s
+        child = _child_pid(pid_file)
+        assert engine.poll() is None and _alive(child)
+    assert engine.poll() is not None
+    assert _gone(child)
