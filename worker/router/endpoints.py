@@ -44,8 +44,9 @@ class Endpoint:
     waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
 
     def unresponsive(self) -> bool:
-        """Its readiness probes have timed out for unresponsive_after_s (a hung process, a partition) - unlike a
-        draining worker, which answers them with 503, or a busy one, which answers late now and then."""
+        """Its readiness probes have timed out for unresponsive_after_s and no hop got an answer from it
+        meanwhile (a hung process, a partition) - unlike a draining worker, which answers them with 503, or a busy
+        one, which answers late but answers."""
         return (self.unresponsive_after_s > 0 and self.unanswered_since is not None
                 and time.monotonic() - self.unanswered_since >= self.unresponsive_after_s)
 
@@ -56,6 +57,12 @@ class Endpoint:
 
     def probe_answered(self) -> None:
         self.probe_timeouts, self.unanswered_since = 0, None
+
+    def answered(self) -> None:
+        """It answered a hop (a status, a streamed chunk): alive, whatever its late probes say. A worker whose
+        event loop is flooded answers /ready late but is no hung process; judged by its probes alone, overload
+        would eject it."""
+        self.unanswered_since = None
 
     def saturated(self, now: float) -> bool:
         """Full by its last 429, with no room freed since (capacity.py)."""

@@ -114,6 +114,7 @@ async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict
             continue
         finally:
             released(state, state.prefill, ep)
+        ep.answered()
         if r.status_code == 429:
             saturated(state, state.prefill, ep, r.headers.get("retry-after"))
             continue
@@ -220,6 +221,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                                                  timeout=deadline.httpx_timeout())
             resp = await within(state.client.send(request, stream=True), deadline, stage, since=start,
                                 hung=ep.unresponsive)
+            ep.answered()
             if resp.status_code == 429:
                 await within(resp.aread(), deadline, "idle")
                 freed = False

@@ -46,6 +46,7 @@ async def relay(state: RouterState, stream: DecodeStream, deadline: Deadline) ->
                 chunk = await within(chunks.__anext__(), deadline, "idle")
             except StopAsyncIteration:
                 break
+            ep.answered()
             yield chunk
     except HopTimeout as e:  # silent too long (hung worker), or the request's total ran out
         cause = e.stage

@@ -155,6 +155,46 @@ async def test_a_non_streamed_decode_on_a_worker_whose_probes_stop_answering_fai
     assert sample(state, "disagg:router_hop_timeouts_total", hop="decode", stage="unresponsive") == 1
 
 
+class Ticking(httpx.AsyncByteStream):
+    """A stream that keeps answering: a chunk every 0.1 s."""
+
+    async def __aiter__(self):
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            yield b'data: {"choices":[{"text":"a"}]}\n\n'
+        yield b"data: [DONE]\n\n"
+
+
+@pytest.mark.asyncio
+async def test_a_flooded_worker_that_answers_hops_but_not_its_probes_is_not_taken_for_hung():
+    """Under a flood a worker's event loop answers /ready late (its probes time out for long) while it still
+    streams and answers: that is no hung process. A request waiting for its answer is not abandoned as
+    "unresponsive", and the worker is not ejected (overload must not become an outage)."""
+    async def worker(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, stream=Ticking(), headers={"content-type": "text/event-stream"})
+        await asyncio.sleep(0.6)  # busy: it answers, late
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    bounds = HopTimeouts(connect_s=1.0, first_byte_s=3.0, idle_s=1.0, total_s=5.0)
+    client, state = scripted_router([], [D1], worker, timeouts=bounds)
+    ep = state.decode.endpoints[D1]
+
+    async def stream() -> httpx.Response:
+        return await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+
+    async def late_answer() -> httpx.Response:
+        await asyncio.sleep(0.2)  # the stream is going; the probes have timed out for long
+        ep.probe_timed_out(time.monotonic() - 100)
+        return await client.post("/v1/completions", json={"prompt": "y"})
+
+    streamed, answered = await asyncio.gather(stream(), late_answer())
+    assert streamed.status_code == 200 and "error" not in streamed.text
+    assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == "decoded", answered.text
+    assert sample(state, "disagg:router_hop_timeouts_total", hop="decode", stage="unresponsive") == 0
+    assert state.decode.ejected() == []
+
+
 @pytest.mark.asyncio
 async def test_a_stream_gone_silent_ends_with_an_sse_error_event_and_is_counted():
     client, workers, state = router({P1: "ok"}, {D1: "silent"})
