@@ -53,8 +53,8 @@ class Outcome:
 
 @dataclass
 class Step:
-    rate: float  # offered requests per second
-    offered: int
+    rate: float  # offered requests per second: the arrival rate asked for
+    offered: int  # requests sent (below rate x duration when the load generator could not keep up)
     goodput: float  # requests within the SLO per second
     shed: float  # share answered 429
     errors: float  # share of other failures (5xx, an SSE error event, no answer)
@@ -62,6 +62,12 @@ class Step:
     ttft_p99: float  # of the admitted requests
     idle_after_s: float  # from the last answer until every worker reads idle
     foreign_cpu: float = 0.0  # cores other processes of the machine used meanwhile (a shared machine's noise)
+    client_cpu: float = 0.0  # cores this load generator used itself while it offered the load (it shares them)
+    duration: float = 0.0  # seconds of arrivals
+
+    @property
+    def sent_rate(self) -> float:
+        return self.offered / self.duration if self.duration else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -129,7 +135,7 @@ def summarize(rate: float, duration: float, outcomes: list[Outcome], args: argpa
     shed = sum(o.status == 429 for o in outcomes)
     errors = sum(not o.complete and o.status != 429 for o in outcomes)
     return Step(rate, n, len(good) / duration, shed / max(n, 1), errors / max(n, 1), percentile(admitted, 0.5),
-                percentile(admitted, 0.99), idle_s)
+                percentile(admitted, 0.99), idle_s, duration=duration)
 
 
 def worker_urls(up_log: Path) -> list[str]:
@@ -212,9 +218,11 @@ def measure(url: str, workers: list[str], rate: float, duration: float, args: ar
     for _ in range(max(args.tries, 1)):
         if args.max_foreign_cpu:
             wait_quiet(args.max_foreign_cpu)
-        cpu = ForeignCpu()
+        cpu, client0, wall0 = ForeignCpu(), time.process_time(), time.monotonic()
         outcomes = asyncio.run(offer(url, rate, duration, args, seed))
+        client = (time.process_time() - client0) / (time.monotonic() - wall0)
         step = summarize(rate, duration, outcomes, args, wait_idle(workers))
+        step.client_cpu = client
         step.foreign_cpu = cpu.since_mark()
         steps.append((step, outcomes))
         if not args.max_foreign_cpu or step.foreign_cpu <= 2 * args.max_foreign_cpu:
@@ -223,8 +231,9 @@ def measure(url: str, workers: list[str], rate: float, duration: float, args: ar
     step, outcomes = min(steps, key=lambda so: so[0].foreign_cpu)
     print(f"  {rate:7.2f} req/s: goodput {step.goodput:6.2f}/s  429 {step.shed:5.1%}  errors {step.errors:5.1%}  "
           f"TTFT p50 {step.ttft_p50:6.3f} s p99 {step.ttft_p99:6.3f} s  idle after {step.idle_after_s:5.1f} s  "
-          f"statuses {dict(collections.Counter(o.status for o in outcomes))}  other processes "
-          f"{step.foreign_cpu:.2f} cores", flush=True)
+          f"statuses {dict(collections.Counter(o.status for o in outcomes))}  sent {step.sent_rate:.1f} "
+          f"req/s  load generator {step.client_cpu:.2f} cores  other processes {step.foreign_cpu:.2f} cores",
+          flush=True)
     return step
 
 
@@ -279,13 +288,13 @@ def start(tmp: Path, spec: Path, attempts: int = 3) -> tuple[subprocess.Popen, s
 def table(title: str, capacity: float, steps: list[tuple[float, Step]]) -> str:
     peak = max(s.goodput for _, s in steps) or float("nan")
     lines = [title, f"capacity {capacity:.2f} req/s; peak goodput {peak:.2f}/s",
-             "| load | offered req/s | goodput /s | of peak | 429 | other errors | admitted TTFT p50 | p99 | idle after "
-             "| other processes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| load | offered req/s | sent req/s | goodput /s | of peak | 429 | other errors | admitted TTFT p50 | p99 "
+             "| idle after | load generator | other processes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in steps:
-        lines.append(f"| {m:g}x | {s.rate:.2f} | {s.goodput:.2f} | {s.goodput / peak:.0%} | {s.shed:.0%} | "
-                     f"{s.errors:.0%} | {s.ttft_p50:.3f} s | {s.ttft_p99:.3f} s | {s.idle_after_s:.1f} s | "
-                     f"{s.foreign_cpu:.2f} cores |")
+        lines.append(f"| {m:g}x | {s.rate:.2f} | {s.sent_rate:.2f} | {s.goodput:.2f} | {s.goodput / peak:.0%} | "
+                     f"{s.shed:.0%} | {s.errors:.0%} | {s.ttft_p50:.3f} s | {s.ttft_p99:.3f} s | "
+                     f"{s.idle_after_s:.1f} s | {s.client_cpu:.2f} cores | {s.foreign_cpu:.2f} cores |")
     return "\n".join(lines)
 
 
