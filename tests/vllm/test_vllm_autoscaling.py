@@ -152,7 +152,7 @@ def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
     assert event["decidedBy"] and set(event["decidedBy"]) <= {"kvCacheUsage", "pendingSends"}, event
     m = event["metrics"]
     assert m["decode_kv_cache_usage"] > 0.4 or m["prefill_pending_sends_per_pod"] > 2, event
-    assert others == [], "prefill is idle: it never scales for a decode shortage"
+    assert others == [], f"prefill is idle: it never scales for a decode shortage: {others}"
     # vLLM exports no pending sends: the decision read them from the router's per-endpoint view
     roles = status["autoscaling"]["lastDecision"]["roles"]
     assert "pendingSends" in roles["prefill"]["signalsUsed"], roles
@@ -168,6 +168,6 @@ def test_prefill_bottleneck_scales_prefill_by_its_queue(up):
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "PrefillBound", True), event
     assert event["decidedBy"] == ["waitingRequests"], event
     assert event["metrics"]["prefill_waiting_requests_per_pod"] > 2, event
-    assert others == [], "decode keeps up: it never scales for a prefill shortage"
+    assert others == [], f"decode keeps up: it never scales for a prefill shortage: {others}"
     assert status["replicas"] == {"prefill": 1, "decode": 1}
     print(f"\nprefill bottleneck shown after {time.monotonic() - t0:.1f}s: {event}")
