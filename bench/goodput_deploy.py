@@ -132,7 +132,8 @@ class Deployment:
         router_port = free_port()
         specs = plan(spec, model_dir, "127.0.0.1", router_port, free_port, str(log_dir / "kv"),
                      worker_args if engine == "disagg" else [],
-                     vllm_executable=find_vllm() if engine == "vllm" else None, handoff=handoff_env("goodput"))
+                     vllm_executable=find_vllm() if engine == "vllm" else None,
+                     handoff=handoff_env("goodput")).processes
         self.workers: list[LocalProcess] = []
         for s in (s for s in specs if s.role in ("prefill", "decode")):
             mine = [cores[next(used)] for _ in range(config.cores_each)]
