@@ -26,16 +26,22 @@ pytestmark = pytest.mark.slow
 
 DRAIN_DELAY_S, DRAIN_TIMEOUT_S = 1.0, 2.0
 FLAGS = ["--drain-delay", str(DRAIN_DELAY_S), "--drain-timeout", str(DRAIN_TIMEOUT_S)]
-SHORT, LONG = 8, 2000  # tokens: done well within the drain timeout; still streaming when it runs out
-# a context long enough that a stream outlives the drain (the tiny model writes ~200 tokens/s here)
-WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "1280",
-                "--served-model-name", "tiny-llama"]
+SHORT, LONG = 8, 8000  # tokens: done well within the drain timeout; still streaming when it runs out
+# a context long enough that a stream outlives the drain: 2000 tokens did not on a quiet machine (the tiny model
+# writes 200-700 tokens/s on 2 cores); 4 long streams fit the KV cache (16-token blocks)
+MAX_MODEL_LEN = 8192
+WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16 + 64), "--served-model-name", "tiny-llama"]
 SLACK_S = 15.0  # a shared 2-core machine
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir, tmp_path_factory):
-    with pd_fleet(tmp_path_factory.mktemp("router-restart"), tiny_model_dir, WORKER_FLAGS, tuple(FLAGS)) as pd:
+def pd(tmp_path_factory):
+    from disagg.worker.model import write_tiny_checkpoint
+
+    model_dir = str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-8k"),
+                                          max_position_embeddings=MAX_MODEL_LEN))
+    with pd_fleet(tmp_path_factory.mktemp("router-restart"), model_dir, WORKER_FLAGS, tuple(FLAGS)) as pd:
         yield pd
 
 
