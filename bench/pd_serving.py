@@ -201,7 +201,7 @@ STAGE_HISTOGRAMS = {
 
 def histogram_totals(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
     """stage -> (sum, count) of its histogram now."""
-    texts = {c: httpx.get(f"{u}/metrics", timeout=5).text for c, u in urls.items()}
+    texts = {c: httpx.get(f"{u}/metrics", timeout=60).text for c, u in urls.items()}  # vLLM answers late when busy
     out = {}
     for (component, name, label), stage in STAGE_HISTOGRAMS.items():
         total = {"_sum": 0.0, "_count": 0.0}
