@@ -22,6 +22,7 @@ import httpx
 import pytest
 from monitoring_stack import CLI, CrashingPrefill, operator_pod_labels, start_ready, worker_processes
 from prometheus_client import start_http_server
+from serving_helpers import metric
 
 from prometheus_cli import (MISSING, SELECTOR, METRIC_NAME, DiscoveredPod, PrometheusServer, alerts, binary,
                             dashboard_queries, exported_metric_names, load_dashboard, pod_monitor_scrape_configs,
@@ -38,6 +39,7 @@ from disagg.operator.autoscaling.scaling_pass import PassState, run_pass
 from disagg.operator.autoscaling.sources import PrometheusSource
 from disagg.worker.local.process import LocalProcess, ProcessSpec, free_port
 from disagg.worker.router.discovery import write_endpoints
+from disagg.worker.router.hop_bodies import prefill_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(binary("prometheus") is None, reason=MISSING)]
@@ -108,7 +110,11 @@ def stack(request, tiny_model_dir, tmp_path_factory):
         prom = PrometheusServer(config, work, free_port())
         wait_for(prom.ready, 30, "prometheus ready", interval=0.2)
         stack = Stack(engine, prom, load_dashboard(cm), rule)
-        _drive(stack, {"router": routers[0].spec.url, "router-fallback": routers[1].spec.url}, metrics, targets)
+        if engine == "vllm":
+            _warm_up(workers["prefill"].url, workers["decode"].url)
+        base = _served(workers)  # the metered traffic's counts are read on top of the warm-up's
+        _drive(stack, {"router": routers[0].spec.url, "router-fallback": routers[1].spec.url}, metrics, targets,
+               base)
         yield stack
     finally:
         crashing.crash()
@@ -150,12 +156,41 @@ def _operator_job(port: int) -> dict[str, Any]:
                                 "labels": {"namespace": "disagg-system", "pod": "disagg-operator-0"}}]}
 
 
-def _complete(router: str, n: int, stream: bool) -> None:
+def _complete(router: str, n: int, stream: bool, prompt: str = "the quick brown fox") -> None:
     for i in range(n):
-        body = {"model": MODEL, "prompt": f"the quick brown fox {i} jumps over", "max_tokens": 6, "stream": stream}
+        body = {"model": MODEL, "prompt": f"{prompt} {i} jumps over", "max_tokens": 6, "stream": stream}
         with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200, r.read()
             r.read()
+
+
+def _warm_up(prefill: str, decode: str) -> None:
+    """One P/D hand-off straight between the two vLLM pods (as a router's hops make it; no router counts it) until
+    the decode has pulled KV once: its first NIXL handshake with the prefill took 60 s in a CI run (the prefill's
+    VLLM::Worker busy on its one core), long enough for the routers to take the prefill for hung and decode alone -
+    which the metered traffic below must not meet."""
+    body = {"model": MODEL, "prompt": "warm up the hand-off", "max_tokens": 2}
+
+    def pulled() -> bool:
+        try:
+            answer = httpx.post(f"{prefill}/v1/completions", json=prefill_body(body), timeout=120).json()
+            handoff = answer.get("kv_transfer_params")
+            httpx.post(f"{decode}/v1/completions", json={**body, "kv_transfer_params": handoff}, timeout=300)
+            return metric(decode, "vllm:nixl_xfer_time_seconds_count", 0.0) > 0
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    wait_for(pulled, 400, "the vLLM decode's first KV pull", interval=1.0)
+
+
+def _served(workers: dict[str, ProcessSpec]) -> float:
+    """The `served` sum of _drive, read from the workers themselves (every finished_reason's series)."""
+    def total(url: str) -> float:
+        text = httpx.get(f"{url}/metrics", timeout=60).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total{"))
+
+    return total(workers["decode"].url) + 100 * total(workers["prefill"].url)
 
 
 def _value(prom: PrometheusServer, promql: str) -> float:
@@ -167,7 +202,8 @@ def _scraped(prom: PrometheusServer, promql: str, want: float) -> bool:
     return _value(prom, promql) == want
 
 
-def _drive(stack: Stack, urls: dict[str, str], metrics: OperatorMetrics, pods: list[DiscoveredPod]) -> None:
+def _drive(stack: Stack, urls: dict[str, str], metrics: OperatorMetrics, pods: list[DiscoveredPod],
+           base: float) -> None:
     """Traffic through both routers, and the autoscaler's decisions on what Prometheus then holds."""
     prom = stack.prom
     source = s.MetricsSource(type="prometheus", prometheus_url=prom.url,
@@ -191,13 +227,13 @@ def _drive(stack: Stack, urls: dict[str, str], metrics: OperatorMetrics, pods: l
     _complete(urls["router-fallback"], 1, stream=False)
     # every pod scraped after its last request (each target has its own scrape times)
     served = 'sum(vllm:request_success_total{role="decode"}) + 100 * sum(vllm:request_success_total{role="prefill"})'
-    wait_for(lambda: _scraped(prom, served, 6 + 100 * 4), 30, "the requests scraped", interval=0.2)
+    wait_for(lambda: _scraped(prom, served, base + 6 + 100 * 4), 30, "the requests scraped", interval=0.2)
     state = PassState()
     for batch in (1, 2):
         if batch == 2:
             _complete(urls["router"], 3, stream=True)
             # the routers too: a scrape taken mid-request holds that request's hand-off as a pending send
-            wait_for(lambda: _scraped(prom, served, 9 + 100 * 7)
+            wait_for(lambda: _scraped(prom, served, base + 9 + 100 * 7)
                      and _scraped(prom, "sum(disagg:router_kv_pending_sends)", 0), 30, "the second batch scraped",
                      interval=0.2)
         outcome = run_pass(lambda: from_prometheus(targets, source, time.time), {}, CURRENT, POLICY, state,
