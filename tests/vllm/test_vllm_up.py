@@ -111,7 +111,8 @@ def test_the_autoscaler_decides_from_live_vllm_metrics(up):
                  "decode_itl_seconds", "xfer_time_seconds", "failed_transfers"):
         assert m[name] is not None, (name, m)
     assert 0 <= m["decode_kv_cache_usage"] <= 1 and m["failed_transfers"] == 0
-    assert {r: (d.current, d.desired) for r, d in second.roles.items()} == {"prefill": (1, 1), "decode": (1, 1)}
+    assert {r: (d.current, d.desired) for r, d in second.roles.items()} == {"prefill": (1, 1), "decode": (1, 1)}, \
+        (second.roles, m, second.conditions)
     assert "pendingSends" in second.signals["prefill"]["unavailable"] and m["prefill_pending_sends_per_pod"] is None
     assert "pendingLoads" in second.signals["decode"]["used"]  # vllm:num_requests_kv_fetch_by_stage
 
