@@ -52,7 +52,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def metric_sum(url: str, name: str) -> float:
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():  # vLLM answers late when busy
         if line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total

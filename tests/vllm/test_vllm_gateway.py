@@ -9,7 +9,8 @@ import signal
 
 import httpx
 import pytest
-from test_vllm_up import metric_sum, vllm_spec
+from serving_helpers import metric_sum
+from test_vllm_up import vllm_spec
 from vllm_env import KINDS, STARTUP_S, disagg_up, generate
 
 from disagg.worker.local.process import free_port

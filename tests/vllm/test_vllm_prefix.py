@@ -12,7 +12,7 @@ import pytest
 import waiting
 from vllm_env import ENGINE_ENV, disagg_up
 
-from test_vllm_up import metric_sum
+from serving_helpers import metric_sum
 
 MODEL = "tiny-vllm"
 STARTUP_S = 500  # two vLLM processes starting on two busy cores

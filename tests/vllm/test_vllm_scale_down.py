@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import waiting
-from test_vllm_up import STARTUP_S, generate, metric_sum, vllm_spec
+from serving_helpers import metric_sum
+from test_vllm_up import STARTUP_S, generate, vllm_spec
 
 from disagg.operator.spec import parse_spec
 from disagg.worker.local.launcher import plan, worker_spec

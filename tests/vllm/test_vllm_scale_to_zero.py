@@ -12,7 +12,8 @@ import time
 
 import httpx
 import waiting
-from test_vllm_up import metric_sum, vllm_spec
+from serving_helpers import metric_sum
+from test_vllm_up import vllm_spec
 from vllm_env import STARTUP_S, disagg_up, generate
 
 from disagg.worker.local.process import free_port

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 import waiting
+from serving_helpers import metric_sum
 from vllm_env import KINDS, MODEL, disagg_up, generate
 from vllm_fleet import ENGINE_ARGS, STARTUP_S, pd_spec  # noqa: F401 (re-exported)
 
@@ -27,16 +28,6 @@ def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 90) -> di
     spec["decode"].update(replicas=decode_replicas, terminationGracePeriodSeconds=grace_s)
     return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": "vllm-up"},
             "spec": spec}
-
-
-def metric_sum(url: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) on url/metrics."""
-    total, found = 0.0, False
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + ("" if name.endswith("}") else "{")) or line.startswith(name + " "):
-            total, found = total + float(line.rsplit(" ", 1)[1]), True
-    assert found, f"{name} not in {url}/metrics"
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from monitoring_stack import CLI, CrashingPrefill, operator_pod_labels, start_ready, worker_processes
 from prometheus_client import start_http_server
-from serving_helpers import metric
+from serving_helpers import metric, metric_sum
 
 from prometheus_cli import (MISSING, SELECTOR, METRIC_NAME, DiscoveredPod, PrometheusServer, alerts, binary,
                             dashboard_queries, exported_metric_names, load_dashboard, pod_monitor_scrape_configs,
@@ -185,12 +185,8 @@ def _warm_up(prefill: str, decode: str) -> None:
 
 def _served(workers: dict[str, ProcessSpec]) -> float:
     """The `served` sum of _drive, read from the workers themselves (every finished_reason's series)."""
-    def total(url: str) -> float:
-        text = httpx.get(f"{url}/metrics", timeout=60).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:request_success_total{"))
-
-    return total(workers["decode"].url) + 100 * total(workers["prefill"].url)
+    return (metric_sum(workers["decode"].url, "vllm:request_success_total", 0.0, timeout=60)
+            + 100 * metric_sum(workers["prefill"].url, "vllm:request_success_total", 0.0, timeout=60))
 
 
 def _value(prom: PrometheusServer, promql: str) -> float:
