@@ -3,13 +3,16 @@ small machine): a decode bottleneck and a prefill bottleneck reproduced with rea
 router, one after the other on one set. /status (the same run_pass as the operator) tells the pool that would
 grow and the signals that decided it, vLLM's own and those the router measured for it (pending sends).
 
-- decode bottleneck: long generations from short prompts. The decode's KV cache is 8 blocks of 128 tokens and it
-  runs 4 requests at most: its KV usage passes the 40% target and fills, and the other requests' hand-offs wait
-  at the prefill to be pulled (the router's pending sends; vLLM has no such gauge); the prefill is idle
-  (one-step prompts).
+- decode bottleneck: generations of 100 tokens from short prompts. The decode's KV cache is 8 blocks of 128
+  tokens and it runs 4 requests at most, a block each: its KV usage passes the 40% target, and the other
+  requests' hand-offs wait at the prefill to be pulled (the router's pending sends; vLLM has no such gauge); the
+  prefill is idle (one-step prompts). Each request stays inside its one block: with 200 tokens a request needed a
+  second block mid-generation, the full cache made vLLM preempt and recompute, the decode fell to ~2 tokens/s
+  and stopped answering probes for a minute (8 hops failed as unresponsive).
 - prefill bottleneck: prompts of a block (128 tokens), 2 tokens generated each. The prefill runs one request at a
-  time in 16-token chunks, so prompts queue there (vllm:num_requests_waiting over 2 per pod) while the decode
-  keeps up, holding a block per request."""
+  time in 8-token chunks (16 engine steps a prompt, where the decode needs a few per request, 4 at a time), so
+  prompts queue there (vllm:num_requests_waiting over 2 per pod) while the decode keeps up, holding a block per
+  request. (With 16-token chunks a CI machine once saw the decode fall behind: 8 hand-offs unconsumed.)"""
 from __future__ import annotations
 
 import functools
@@ -36,7 +39,7 @@ def autoscaling_spec(model_dir: str) -> dict:
     spec = pd_spec(model_dir, MODEL)
     # a core each: with autoscaling, disagg up's core split counts every replica the pools may grow to (4 > 2
     # cores), which would put prefill-0 and decode-0 on one core
-    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "16"]),
+    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "8"]),
                              ("decode", "1", ["--num-gpu-blocks-override", "8", "--max-num-seqs", "4"])):
         spec[role]["env"] = [*spec[role]["env"], {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core}]
         spec[role]["extraArgs"] = args
@@ -146,10 +149,11 @@ def _scenario(up: dict, start_load: Callable[[], Load], role: str) -> tuple[dict
 
 def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
     t0 = time.monotonic()
-    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, "the quick brown fox", 200, 0.25),
+    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, "the quick brown fox", 100, 0.25),
                                       "decode")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "DecodeBound", True), event
-    assert event["decidedBy"] and set(event["decidedBy"]) <= {"kvCacheUsage", "pendingSends"}, event
+    # expiredLeases: requests waited at the full decode past the prefill's lease on their KV - decode-bound too
+    assert event["decidedBy"] and set(event["decidedBy"]) <= {"kvCacheUsage", "pendingSends", "expiredLeases"}, event
     m = event["metrics"]
     assert m["decode_kv_cache_usage"] > 0.4 or m["prefill_pending_sends_per_pod"] > 2, event
     assert others == [], f"prefill is idle: it never scales for a decode shortage: {others}"
@@ -164,7 +168,7 @@ def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
 def test_prefill_bottleneck_scales_prefill_by_its_queue(up):
     t0 = time.monotonic()
     prompt = long_prompt(up["model_dir"], 116)  # one block with the numbers in front
-    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, prompt, 2), "prefill")
+    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, prompt, 2, 0.25), "prefill")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "PrefillBound", True), event
     assert event["decidedBy"] == ["waitingRequests"], event
     assert event["metrics"]["prefill_waiting_requests_per_pod"] > 2, event
