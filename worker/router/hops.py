@@ -34,7 +34,8 @@ import httpx
 
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
 from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
-from disagg.worker.router.hop_bodies import decode_bodies, early_first_chunk, needs_prompt_logits, prefill_body
+from disagg.worker.router.hop_bodies import (HANDOFF_FIELD, decode_bodies, early_first_chunk, needs_prompt_logits,
+                                            prefill_body)
 from disagg.worker.router.policy import RoutePlan
 from disagg.worker.router.relay import DecodeStream, relay
 from disagg.worker.router.draining import STOPPING_MESSAGE
@@ -237,6 +238,15 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
                 content = await within(resp.aread(), deadline, stage, since=start, hung=ep.unresponsive)
                 state.metrics.hop("decode", time.monotonic() - start, error=False)
                 state.decode.mark_ok(ep)
+                if carried is not None and 400 <= resp.status_code < 500 and refused_handoff(content):
+                    # the decode side refused the hand-off this router made (most often: the request waited
+                    # past the prefill's lease on its KV), not the client's request: it computes the prompt
+                    logger.warning("request %s: decode %s refused the hand-off (%s); decoding alone",
+                                   headers["X-Request-Id"], ep.url, content[:300].decode(errors="replace"))
+                    state.metrics.fell_back_to_decode_alone()
+                    settle_handoff(state, carried, consumed=False)
+                    d_body = alone
+                    continue
                 state.metrics.request("ok" if resp.status_code < 400 else "bad_request")
                 settle_handoff(state, carried, consumed=resp.status_code < 400)
                 return Reply(resp.status_code, content, headers=headers)
@@ -268,6 +278,16 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             state.metrics.first_byte(time.monotonic() - deadline.started)
         return DecodeStream(ep, resp, first, chunks, start)
     return _no_decode_answer(state, tried, timed_out, deadline)
+
+
+def refused_handoff(content: bytes) -> bool:
+    """A worker's (or pd-proxy's) 4xx names the hand-off as what it refused (param kv_transfer_params.*:
+    handoff_auth.HandoffRejected, a malformed hand-off)."""
+    try:
+        param = json.loads(content)["error"].get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return isinstance(param, str) and param.startswith(f"{HANDOFF_FIELD}.")
 
 
 def settle_handoff(state: RouterState, ticket: str | None, consumed: bool) -> None:

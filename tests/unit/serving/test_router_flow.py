@@ -44,6 +44,10 @@ class Workers:
             raise httpx.ConnectError("refused", request=request)
         if mode in ("500", "400"):
             return httpx.Response(int(mode), json={"error": {"message": mode, "code": int(mode)}})
+        if mode == "refuses-kv" and "kv_transfer_params" in body:  # as handoff_auth answers an expired lease
+            return httpx.Response(403, json={"error": {
+                "message": "kv_transfer_params.remote_lease_expires_at: the prefill's lease on this KV ended",
+                "type": "permission_denied", "param": "kv_transfer_params.remote_lease_expires_at", "code": 403}})
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
         if mode == "broken":
@@ -135,6 +139,29 @@ async def test_bad_requests_are_rejected_before_any_hop(body):
     r = await client.post("/v1/completions", content=body)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert workers.seen == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_hand_off_the_decode_refuses_is_decoded_alone_not_a_403_to_the_client(stream):
+    """The router made the hand-off, so its refusal (the request waited at the decode past the prefill's lease:
+    seen with vLLM pods under load) is no client error: the decode computes the prompt itself."""
+    client, workers, state = router({P1: "ok"}, {D1: "refuses-kv"})
+    r = await client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    assert r.status_code == 200, r.text
+    assert r.content == SSE if stream else r.json()["choices"][0]["text"] == "decoded"
+    assert [u for u, _, _ in workers.seen] == [P1, D1, D1]
+    assert workers.seen[1][1]["kv_transfer_params"] == KV and "kv_transfer_params" not in workers.seen[2][1]
+    assert 'disagg:router_decode_alone_total{model_name="m",role="router"} 1.0' in state.metrics.render().decode()
+    assert state.decode.endpoints[D1].outstanding == 0 and state.decode.endpoints[D1].ready
+
+
+@pytest.mark.asyncio
+async def test_a_decode_4xx_about_the_request_is_passed_back_once():
+    client, workers, state = router({P1: "ok"}, {D1: "400"})
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and [u for u, _, _ in workers.seen] == [P1, D1]
+    assert "disagg:router_decode_alone_total{" not in state.metrics.render().decode()
 
 
 @pytest.mark.asyncio
