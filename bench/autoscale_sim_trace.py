@@ -25,6 +25,9 @@ class RequestClass:
 CHAT = RequestClass("chat", 600, 200)
 RAG = RequestClass("rag", 3000, 80)
 GENERATE = RequestClass("generate", 250, 700)
+# bench/goodput.py's workloads, one class each (medians at the middle of its uniform length ranges); its shared-prefix
+# workload has no counterpart: the simulation models no prefix cache
+SINGLE = {"long-prompt": RequestClass("long-prompt", 2000, 160), "chat": RequestClass("chat", 450, 250)}
 
 
 def diurnal(x: float) -> float:
@@ -55,8 +58,10 @@ def _lognormal(rng: random.Random, median: int, sigma: float, lo: int, hi: int) 
     return int(min(hi, max(lo, median * math.exp(rng.gauss(0.0, sigma)))))
 
 
-def make_trace(duration_s: float, peak_rps: float, seed: int = 0) -> tuple[list[TraceRequest], list]:
-    """Poisson arrivals at rate_at(t) (thinning), lengths lognormal around each class's median."""
+def make_trace(duration_s: float, peak_rps: float, seed: int = 0,
+               only: RequestClass | None = None) -> tuple[list[TraceRequest], list]:
+    """Poisson arrivals at rate_at(t) (thinning), lengths lognormal around each class's median; the drifting mix of
+    `mix`, or `only` that class all day."""
     rng = random.Random(seed)
     bursts = spikes(duration_s, rng)
     ceiling = peak_rps * 2.0
@@ -67,7 +72,7 @@ def make_trace(duration_s: float, peak_rps: float, seed: int = 0) -> tuple[list[
             return out, bursts
         if rng.random() * ceiling > rate_at(t, duration_s, peak_rps, bursts):
             continue
-        classes, weights = zip(*mix(t / duration_s))
+        classes, weights = zip(*(mix(t / duration_s) if only is None else [(only, 1.0)]))
         cls = rng.choices(classes, weights)[0]
         out.append(TraceRequest(t, _lognormal(rng, cls.prompt_median, 0.5, 16, 8000),
                                 _lognormal(rng, cls.output_median, 0.6, 8, 2000)))
