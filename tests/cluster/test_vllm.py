@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cores import usable_cores
 from serving_helpers import NIXL_MISSING, metric, nixl_available
 
 from cluster import NODE_PARENT
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
               # three vLLM pods (each behind pd-proxy), the router, the operator and the emulated API server on 2
               # cores: in two clean-clone CI runs the API server's pod listings timed out (10 s) and 4 requests got
               # 503 while the added decode pod drained; it passes alone here. A real node gives each pod its cores.
-              pytest.mark.skipif((os.cpu_count() or 1) < 4, reason="vLLM pods scaling 1 -> 2 -> 1 in the cluster "
+              pytest.mark.skipif(len(usable_cores()) < 4, reason="vLLM pods scaling 1 -> 2 -> 1 in the cluster "
                                  "tier: needs 4+ cores (on 2, the starved stand-in API server fails the scale-down)")]
 STARTUP_S = 600
 
@@ -38,7 +39,7 @@ def engine_env(cores: str) -> list[dict]:
     return [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}, {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": cores}]
 
 
-LAST_CORE = max(0, (os.cpu_count() or 1) - 1)
+LAST_CORE = usable_cores()[-1]
 
 
 @pytest.fixture(scope="module")

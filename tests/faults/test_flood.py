@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 
 import httpx
 import pytest
 
+from cores import usable_cores
+
 from ctl_fixtures import LEASE_S, router_counter, wait_idle
 from overload_fixtures import body, closed_loop, offer, pd_fleet, percentile
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    (os.cpu_count() or 1) < 4, reason="flood at 10x capacity: needs cores for the load generator apart from the "
+    len(usable_cores()) < 4, reason="flood at 10x capacity: needs cores for the load generator apart from the "
     "workers'; on 2 cores the client starves with them (clean-clone CI: 102 admitted streams the client itself gave "
     "up on), so the case would measure the client, not the router")]
 

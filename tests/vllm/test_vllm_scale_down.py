@@ -6,7 +6,6 @@ terminating pod and the preStop wait."""
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import waiting
+from cores import usable_cores
 from serving_helpers import metric_sum
 from test_vllm_up import STARTUP_S, generate, vllm_spec
 
@@ -27,7 +27,7 @@ from disagg.worker.local.scaling import WorkerSet
 # decode's /health unanswered for over 60 s under this load (twice in a row here: 504s), so this scenario needs
 # more cores than that; the cluster tier's vLLM scale-down (tests/cluster/test_vllm.py) runs on 2.
 MIN_CORES = 4
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < MIN_CORES,
+pytestmark = pytest.mark.skipif(len(usable_cores()) < MIN_CORES,
                                 reason=f"needs {MIN_CORES}+ cores: 3 vLLM workers each busy-poll NIXL on one")
 HOST = "127.0.0.1"
 MAX_TOKENS = 16

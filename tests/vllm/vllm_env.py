@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -14,12 +13,13 @@ from pathlib import Path
 import httpx
 import waiting
 import yaml
+from cores import usable_cores
 
 from disagg.worker.local.launcher import FIRST_REQUEST_TIMEOUT_S
 
 from vllm_fleet import ENGINE_ARGS, ENGINE_ENV, STARTUP_S, VLLM_ENV  # noqa: F401 (the tier's modules import them from here)
 
-ALONE_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}"}
+ALONE_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, usable_cores()))}
 
 MODEL = "tiny-vllm"
 PROMPT = "In the morning the engineers measured the latency of every request twice and wrote it down"
