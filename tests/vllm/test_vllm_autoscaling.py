@@ -9,10 +9,12 @@ grow and the signals that decided it, vLLM's own and those the router measured f
   prefill is idle (one-step prompts). Each request stays inside its one block: with 200 tokens a request needed a
   second block mid-generation, the full cache made vLLM preempt and recompute, the decode fell to ~2 tokens/s
   and stopped answering probes for a minute (8 hops failed as unresponsive).
-- prefill bottleneck: prompts of a block (128 tokens), 2 tokens generated each. The prefill runs one request at a
-  time in 8-token chunks (16 engine steps a prompt, where the decode needs a few per request, 4 at a time), so
-  prompts queue there (vllm:num_requests_waiting over 2 per pod) while the decode keeps up, holding a block per
-  request. (With 16-token chunks a CI machine once saw the decode fall behind: 8 hand-offs unconsumed.)"""
+- prefill bottleneck: prompts of about 100 tokens, 2 tokens generated each: one 128-token block a request at the
+  decode (3 at once stay under its 40% KV target). The prefill runs one request at a time in 4-token chunks (25
+  engine steps a prompt, where the decode needs a few per request, 4 at a time), so prompts queue there
+  (vllm:num_requests_waiting over 2 per pod) while the decode keeps up. (With 16-token chunks a CI machine saw the
+  decode fall behind: 8 hand-offs unconsumed; with 8-token chunks and ~125-token prompts - two blocks with the
+  generated tokens - another saw 3 requests fill 71% of the decode's cache and 6 hand-offs wait.)"""
 from __future__ import annotations
 
 import functools
@@ -39,7 +41,7 @@ def autoscaling_spec(model_dir: str) -> dict:
     spec = pd_spec(model_dir, MODEL)
     # a core each: with autoscaling, disagg up's core split counts every replica the pools may grow to (4 > 2
     # cores), which would put prefill-0 and decode-0 on one core
-    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "8"]),
+    for role, core, args in (("prefill", "0", ["--max-num-seqs", "1", "--max-num-batched-tokens", "4"]),
                              ("decode", "1", ["--num-gpu-blocks-override", "8", "--max-num-seqs", "4"])):
         spec[role]["env"] = [*spec[role]["env"], {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core}]
         spec[role]["extraArgs"] = args
@@ -167,7 +169,7 @@ def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
 
 def test_prefill_bottleneck_scales_prefill_by_its_queue(up):
     t0 = time.monotonic()
-    prompt = long_prompt(up["model_dir"], 116)  # one block with the numbers in front
+    prompt = long_prompt(up["model_dir"], 100)  # one block with the numbers in front and the 2 generated
     event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, prompt, 2, 0.25), "prefill")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "PrefillBound", True), event
     assert event["decidedBy"] == ["waitingRequests"], event
