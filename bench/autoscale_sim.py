@@ -116,7 +116,7 @@ def slos_met(sim: Simulation, ttft_slo: float, itl_slo: float) -> list[bool]:
 def ratio_sweep(cap: PodCapacity, trace: list[TraceRequest], fabric, total: int, args: argparse.Namespace,
                 slo: tuple[float, float], ours: Timeline) -> None:
     """Static pools of `total` pods split every way (up to ~16 splits): SLO attainment per P:D split, the best one,
-    and the prefill share our policy held on average - does the autoscaler land near the best static ratio?"""
+    and the prefill share our policy held - does the autoscaler land near the best static ratio?"""
     step = max(1, (total - 1) // 16)
     rows = []
     for p in range(1, total, step):
@@ -127,16 +127,17 @@ def ratio_sweep(cap: PodCapacity, trace: list[TraceRequest], fabric, total: int,
     print("  " + "  ".join(f"{p}:{total - p} {both:.1f}%" for both, p in rows))
     best_both, best_p = max(rows)
     near = [p for both, p in rows if both >= best_both - 1.0]  # splits within a point of the best: a plateau
-    # the split ours chose, two ways: its mean prefill share over time (night hours weigh as much as the peak), and
-    # its prefill share of all pod-seconds (what the pools cost: the hours with many pods weigh most)
-    shares = [p / (p + d) for p, d in zip(ours.replicas["prefill"], ours.replicas["decode"]) if p + d]
-    mean_share = sum(shares) / len(shares)
-    pod_share = sum(ours.replicas["prefill"]) / max(1, sum(ours.replicas["prefill"]) + sum(ours.replicas["decode"]))
-    best = best_p / total
-    # and at its busiest: the decisions where ours ran at least 80% of the swept pool size (the size static peak
-    # needs), i.e. where its split is compared at the scale the sweep holds
-    busy = [(p, d) for p, d in zip(ours.replicas["prefill"], ours.replicas["decode"]) if p + d >= 0.8 * total]
-    busy_share = sum(p for p, _ in busy) / max(1, sum(p + d for p, d in busy))
+    # the split ours chose, three ways: its mean prefill share over time (night hours weigh as much as the peak), its
+    # prefill share of all pod-seconds (what the pools cost: the hours with many pods weigh most), and its share at
+    # its busiest - the decisions with at least 80% of the swept pool size, the scale the sweep compares at
+    held = [(p, d) for p, d in zip(ours.replicas["prefill"], ours.replicas["decode"]) if p + d]
+    busy = [(p, d) for p, d in held if p + d >= 0.8 * total]
+
+    def share(pools: list[tuple[int, int]]) -> float:
+        return sum(p for p, _ in pools) / max(1, sum(p + d for p, d in pools))
+
+    mean_share = sum(p / (p + d) for p, d in held) / len(held)
+    pod_share, busy_share, best = share(held), share(busy), best_p / total
     print(f"  best static split {best_p}:{total - best_p} (prefill share {best:.0%}, {best_both:.1f}%); within a "
           f"point of it: prefill shares {min(near) / total:.0%}-{max(near) / total:.0%}")
     print(f"  ours: prefill share {pod_share:.0%} of pod-seconds ({abs(pod_share - best) / best:.0%} from the best "
@@ -206,8 +207,8 @@ def main() -> None:
     print(f"  prefill {cap.prefill_fixed_s * 1e3:.1f} ms + {cap.prefill_per_token_s * 1e6:.0f} us/token; "
           f"decode step {cap.decode_step_fixed_s * 1e3:.1f} ms + {cap.decode_step_per_seq_s * 1e3:.2f} ms/seq, "
           f"max {cap.decode_max_seqs} seqs; start-up {cap.startup_s:.0f} s")
-    print(f"trace ({args.workload}): {len(trace)} requests over {args.duration:.0f} s, peak {peak_rps:.1f} req/s before spikes, "
-          f"{len(bursts)} spikes; fabric {bandwidth:.0f} KV tokens/s, x{args.jam_factor} during "
+    print(f"trace ({args.workload}): {len(trace)} requests over {args.duration:.0f} s, peak {peak_rps:.1f} req/s "
+          f"before spikes, {len(bursts)} spikes; fabric {bandwidth:.0f} KV tokens/s, x{args.jam_factor} during "
           f"{jam[0]:.0f}-{jam[1]:.0f} s")
     print(f"SLOs: TTFT <= {ttft_slo:.2f} s, mean ITL <= {itl_slo * 1e3:.1f} ms; static peak {p_static}P + {d_static}D")
 

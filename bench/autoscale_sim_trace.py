@@ -7,6 +7,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from goodput_load import WORKLOADS
+
 
 @dataclass
 class TraceRequest:
@@ -27,7 +29,8 @@ RAG = RequestClass("rag", 3000, 80)
 GENERATE = RequestClass("generate", 250, 700)
 # bench/goodput.py's workloads, one class each (medians at the middle of its uniform length ranges); its shared-prefix
 # workload has no counterpart: the simulation models no prefix cache
-SINGLE = {"long-prompt": RequestClass("long-prompt", 2000, 160), "chat": RequestClass("chat", 450, 250)}
+SINGLE = {w.name: RequestClass(w.name, sum(w.prompt) // 2, sum(w.output) // 2)
+          for w in WORKLOADS.values() if not w.shared_prefix}
 
 
 def diurnal(x: float) -> float:
