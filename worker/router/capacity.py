@@ -12,6 +12,14 @@ prefill hop decide what happens, and wait.
   prefill's first token (the early first token) - is never shed: it waits for as long as its own bounds allow,
   since shedding it would cut an answer already started, and while one waits the pool's room is its: other
   requests wait or are shed, at the door (room_for, before any prefill) or at the hop.
+- The door (room_for, before any work for a request): what an endpoint held when it answered 429 is its
+  capacity for a while (CAPACITY_TTL_S, renewed by each 429). While every endpoint of the pool has one, the
+  router's requests for the pool - at its endpoints, in their prefill hop, committed and waiting for room - may
+  not exceed their sum: one more would be refused at the decode after its prefill was spent, or queue there
+  behind the others, so it waits for room at the door like the others (above). Without this, one credit opens the
+  door to every request that arrives before the next 429 comes back, and under a flood the pool is sent twice
+  what it can take: prefills spent on requests that then wait or are refused, and admitted requests that miss
+  their deadlines. The count lapses with the last 429's TTL, so capacity that grew is found again.
 - No endpoint ready at all: one that answers its probes "not ready" (starting) is waited for, within the connect
   bound (probes.await_ready); else the caller answers 503.
 """
@@ -31,6 +39,10 @@ if TYPE_CHECKING:
     from disagg.worker.router.state import RouterState
 
 DEFAULT_RETRY_AFTER_S = 1  # a worker's 429 without a readable Retry-After, and the least one a shed request gets
+# how long what an endpoint held at its last 429 counts as its capacity at the door: long enough that a flood is not
+# let through every few seconds to find it again, short enough that capacity freed elsewhere (another router's
+# load gone) is found soon
+CAPACITY_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -49,18 +61,22 @@ def retry_after_of(header: str | None) -> float:
     return min(max(seconds, 0.0), 60.0)
 
 
-def saturated(state: RouterState, pool: EndpointPool, ep: Endpoint, retry_after: str | None) -> None:
-    """`ep` answered 429: saturated until its Retry-After; the waiters hear when that runs out."""
+def saturated(state: RouterState, pool: EndpointPool, ep: Endpoint, retry_after: str | None,
+              refused_counted: bool = True) -> None:
+    """`ep` answered 429: saturated until its Retry-After, what this router has in flight there its capacity
+    at the door for CAPACITY_TTL_S; the waiters hear when either runs out."""
     seconds = retry_after_of(retry_after)
-    pool.mark_saturated(ep, seconds)
+    pool.mark_saturated(ep, seconds, CAPACITY_TTL_S, refused_counted)
     state.metrics.saturated(pool.role)
-    asyncio.get_running_loop().call_later(seconds, state.room(pool).notify_all)
+    loop = asyncio.get_running_loop()
+    loop.call_later(seconds, state.room(pool).notify_all)
+    loop.call_later(CAPACITY_TTL_S, state.room(pool).notify_all)
 
 
 def released(state: RouterState, pool: EndpointPool, ep: Endpoint, freed: bool = True) -> None:
     """A request this router sent to `ep` ended; a waiter may take the room it freed at a saturated endpoint
     (`freed` False: it was refused there, and freed nothing)."""
-    if pool.released(ep, freed):
+    if pool.released(ep, freed) or (freed and pool.door_limited()):
         state.room(pool).notify(1)
 
 
@@ -82,12 +98,13 @@ async def next_endpoint(state: RouterState, pool: EndpointPool, pick: Callable[[
 
 
 async def room_for(state: RouterState, pool: EndpointPool, deadline: Deadline) -> Shed | None:
-    """Shed when every endpoint of `pool` is saturated, or committed requests wait for room there, and no room
-    comes within the queue wait (nothing is picked: the router asks before the prefill hop, so that a request it
-    would shed costs no prefill)."""
-    if not pool.saturated_only() and not state.room(pool).committed_in_line:
+    """Shed when every endpoint of `pool` is saturated, or committed requests wait for room there, or the door
+    is full (pool.door_full), and no room comes within the queue wait (nothing is picked: the router asks before
+    the prefill hop, so that a request it would shed costs no prefill)."""
+    room = state.room(pool)
+    if not pool.saturated_only() and not room.committed_in_line and not pool.door_full(room.committed_in_line):
         return None
-    got = await _wait_for_room(state, pool, lambda: _peek(pool), set(), deadline)
+    got = await _wait_for_room(state, pool, lambda: _peek(pool), set(), deadline, door=True)
     return got if isinstance(got, Shed) else None  # (None: whatever comes next answers for the pool)
 
 
@@ -96,17 +113,22 @@ def _peek(pool: EndpointPool) -> Endpoint | None:
 
 
 async def _wait_for_room(state: RouterState, pool: EndpointPool, pick: Callable[[], Endpoint | None],
-                         exclude: set[str], deadline: Deadline, committed: bool = False) -> Endpoint | Shed | None:
+                         exclude: set[str], deadline: Deadline, committed: bool = False,
+                         door: bool = False) -> Endpoint | Shed | None:
+    """(`door`: for room_for, where a full door blocks as saturation does.)"""
     room = state.room(pool)
     loop = asyncio.get_running_loop()
     wait_s = max(deadline.remaining(), 0.0)
     until = loop.time() + (wait_s if committed else min(room.queue_wait_s, wait_s))
 
     def turn() -> Endpoint | None:  # room freed goes to the committed requests first
+        if door and pool.door_full(room.committed_in_line):
+            return None
         return pick() if committed or not room.committed_in_line else None
 
     def blocked() -> bool:
-        return pool.saturated_only(exclude) or (not committed and room.committed_in_line > 0)
+        return (pool.saturated_only(exclude) or (not committed and room.committed_in_line > 0)
+                or (door and pool.door_full(room.committed_in_line)))
 
     room.committed_in_line += committed
     try:

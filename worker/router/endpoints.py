@@ -41,6 +41,10 @@ class Endpoint:
     # request - except for `credits` requests, one per request of this router that finished there meanwhile
     saturated_until: float = 0.0
     credits: int = 0
+    # how many of this router's requests it held when it last answered 429 (in flight there, the refused one
+    # not counted): its capacity as this router sees it, trusted until capacity_until (monotonic; the door)
+    capacity_seen: int = 0
+    capacity_until: float = 0.0
     waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
 
     def unresponsive(self) -> bool:
@@ -108,6 +112,9 @@ class EndpointPool:
     policy: RoutingPolicy | str = DEFAULT_POLICY  # a RoutingPolicy, or its name (policies.py); one for both pools
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # url -> endpoint
     _turn: itertools.count = field(default_factory=itertools.count)
+    # requests past the router's door bound for this pool that are not at one of its endpoints yet (their
+    # prefill hop runs): counted against the pool's capacity at the door (door_full)
+    pending: int = 0
     outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
     clock: Callable[[], float] = time.monotonic
     unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # given to each endpoint (Endpoint.unresponsive)
@@ -188,11 +195,34 @@ class EndpointPool:
         now = self.clock()
         return max(min((e.saturated_until for e in self.available(exclude)), default=now) - now, 0.0)
 
-    def mark_saturated(self, endpoint: Endpoint, seconds: float) -> None:
-        """It answered 429 with Retry-After `seconds`: full until then (no room freed since it said so). Not a
-        failure: its health and ejection are left alone."""
-        endpoint.saturated_until = max(endpoint.saturated_until, self.clock() + seconds)
+    def mark_saturated(self, endpoint: Endpoint, seconds: float, capacity_ttl_s: float = 0.0,
+                       refused_counted: bool = True) -> None:
+        """It answered 429 with Retry-After `seconds`: full until then (no room freed since it said so), and
+        what this router had in flight there is its capacity for `capacity_ttl_s` (door_full; `refused_counted`:
+        the refused request is in `outstanding` still). Not a failure: its health and ejection are left alone."""
+        now = self.clock()
+        endpoint.saturated_until = max(endpoint.saturated_until, now + seconds)
         endpoint.credits = 0
+        endpoint.capacity_seen = max(endpoint.outstanding - refused_counted, 1)
+        endpoint.capacity_until = now + capacity_ttl_s
+
+    def door_limited(self) -> bool:
+        """Every available endpoint's capacity is known (a recent 429 told it): the door counts."""
+        now = self.clock()
+        available = self.available()
+        return bool(available) and all(now < e.capacity_until for e in available)
+
+    def door_full(self, committed: int = 0) -> bool:
+        """The requests this router has in flight for the pool - at its endpoints, in their prefill hop
+        (`pending`), waiting for room with their first token sent (`committed`) - fill what the endpoints held
+        when each last answered 429: a new request would only queue behind them (or be refused after its
+        prefill was spent), so it waits at the door or is shed there. Unknown capacity (no recent 429 from an
+        endpoint): never full."""
+        if not self.door_limited():
+            return False
+        available = self.available()
+        in_flight = self.pending + committed + sum(e.outstanding for e in self.endpoints.values())
+        return in_flight >= sum(e.capacity_seen for e in available)
 
     def released(self, endpoint: Endpoint, freed: bool = True) -> bool:
         """A request this router sent there finished; True when that freed room at a saturated endpoint (one

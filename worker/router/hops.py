@@ -63,9 +63,14 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
     if plan.skip_prefill and state.prefill.endpoints:
         state.metrics.skipped_prefill()  # decode holds (nearly) the whole prompt: no KV to move
     elif state.prefill.endpoints and not needs_prompt_logits(body):
-        hop = await prefill_hop(state, plan, path, body, headers, deadline)
-        if isinstance(hop, Reply):  # the request itself is bad: the decode worker would say the same
-            state.metrics.request("bad_request")
+        state.decode.pending += 1  # bound for the decode pool, at none of its endpoints yet (its door counts it)
+        try:
+            hop = await prefill_hop(state, plan, path, body, headers, deadline)
+        finally:
+            state.decode.pending -= 1
+        if isinstance(hop, Reply):  # the request itself is bad (the decode worker would say the same), or shed
+            if hop.status not in (429, 503):  # (those were counted as they were answered)
+                state.metrics.request("bad_request")
             return hop
         outcome = hop
         if not outcome.handoff:
@@ -117,7 +122,7 @@ async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict
             released(state, state.prefill, ep)
         ep.answered()
         if r.status_code == 429:
-            saturated(state, state.prefill, ep, r.headers.get("retry-after"))
+            saturated(state, state.prefill, ep, r.headers.get("retry-after"), refused_counted=False)
             continue
         if r.status_code >= 500:
             failed.add(ep.url)

@@ -110,6 +110,30 @@ def test_a_saturated_endpoint_is_skipped_until_its_retry_after_or_until_room_is_
     assert not pool.released(d2)  # not saturated any more: no credit
 
 
+def test_what_an_endpoint_held_at_its_429_is_its_capacity_at_the_door_until_that_lapses():
+    now = [100.0]
+    pool = EndpointPool("decode", "round-robin", clock=lambda: now[0])
+    pool.set_urls([D1, D2])
+    for ep in pool.endpoints.values():
+        ep.ready = True
+    d1, d2 = pool.endpoints[D1], pool.endpoints[D2]
+    d1.outstanding = 3  # the refused request still counted: it held 2
+    pool.mark_saturated(d1, 1.0, capacity_ttl_s=5.0)
+    assert not pool.door_limited() and not pool.door_full(), "D2's capacity is unknown: the door stays open"
+    d2.outstanding = 2  # refused after its count was released: it held 2
+    pool.mark_saturated(d2, 1.0, capacity_ttl_s=5.0, refused_counted=False)
+    d1.outstanding = 2
+    assert pool.door_limited() and pool.door_full()  # 4 in flight, 4 held
+    d1.outstanding = 1
+    assert not pool.door_full()
+    pool.pending = 1  # one in its prefill hop, bound for the pool
+    assert pool.door_full()
+    pool.pending = 0
+    assert pool.door_full(committed=1)  # one whose first token was sent, waiting for room
+    now[0] += 5.1  # no 429 since: what they hold may have grown
+    assert not pool.door_limited() and not pool.door_full(committed=1)
+
+
 # ---------------------------------------------------------------- 429s
 @pytest.mark.asyncio
 async def test_a_decode_429_moves_the_request_to_another_decode_and_is_no_failure():
@@ -214,6 +238,47 @@ async def test_while_a_started_answer_waits_for_a_decode_new_requests_get_no_roo
     r = await asyncio.wait_for(started, 5)
     assert r.status_code == 200 and '" x"' in r.text and '" y"' in r.text and "error" not in r.text
     assert asked == ["p1", "d1", "d1"] and state.room(state.decode).committed_in_line == 0
+
+
+@pytest.mark.asyncio
+async def test_after_a_decode_429_the_door_admits_no_more_than_the_decode_held_and_spends_no_prefill_on_the_rest():
+    """A decode that held two requests refused a third: past its Retry-After, while it still holds two, a new
+    request waits at the door - no prefill hop, no decode hop - and is shed; once one of the two finishes, the
+    next is served."""
+    client, _, state = router({P1: "ok"}, {D1: "ok"}, queue_wait_s=0.3)
+    asked: list[str] = []
+    held = asyncio.Event()
+    holding = 2
+
+    async def worker(request: httpx.Request) -> httpx.Response:
+        nonlocal holding
+        asked.append(request.url.host)
+        if request.url.host == "p1":
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
+        if holding:
+            holding -= 1
+            await held.wait()
+            return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+        if state.decode.endpoints[D1].outstanding > 2:
+            return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"message": "full"}})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    first = [asyncio.ensure_future(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+    while state.decode.endpoints[D1].outstanding < 2:
+        await asyncio.sleep(0.01)
+    r = await client.post("/v1/completions", json=BODY)  # refused by the decode after its prefill
+    assert r.status_code == 429 and asked.count("p1") == 3
+    await asyncio.sleep(1.1)  # the decode's Retry-After ran out; it still holds the two
+    assert not state.decode.saturated_only() and state.decode.door_full()
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 429 and r.headers["retry-after"] and "at capacity" in r.json()["error"]["message"]
+    assert asked.count("p1") == 3 and asked.count("d1") == 3, "shed at the door: no prefill, no decode hop"
+    held.set()
+    assert all(r.status_code == 200 for r in await asyncio.gather(*first))
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    assert untouched(state, D1) and state.decode.pending == 0
 
 
 @pytest.mark.asyncio
