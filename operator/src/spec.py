@@ -179,7 +179,7 @@ class Admission(_Model):
     """What a worker takes on before it answers 429 with Retry-After (README: Reliability, overload)."""
     max_waiting_requests: int | None = Field(
         None, ge=0, le=1_000_000, description="Requests queued beyond the running batch. Unset: the batch size "
-        "(--max-num-seqs). Engine disagg; vLLM's queue is its own.")
+        "(--max-num-seqs), an eighth of it on decode workers. Engine disagg; vLLM's queue is its own.")
     max_waiting_prompt_tokens: int | None = Field(
         None, ge=0, le=100_000_000, description="Prompt tokens queued to compute (a request alone is always "
         "queued). Unset: 8 x --max-num-batched-tokens. Engine disagg.")

@@ -14,6 +14,7 @@ event loop and off the engine thread.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,8 +25,14 @@ from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: about a few engine steps' worth of the queue draining
-# the defaults: the queue may hold one more batch of requests, and eight steps' worth of prompt tokens to compute
+# the defaults: the queue may hold one more batch of requests, and eight steps' worth of prompt tokens to compute;
+# a decode worker's queue an eighth of a batch: what waits there is a hand-off whose client has its first token
+# already (the early first token) and whose KV a prefill worker holds meanwhile - a stream stalled, not a request
+# that has not started. The router keeps the rest at its door, before any prefill (router/capacity.py), where a
+# request that cannot get room soon is told 429 at once; a long queue here let it admit what then missed its SLO
+# (bench/overload.py: at 10x capacity, a full decode queue of 64 held admitted requests' TTFT at seconds).
 WAITING_REQUESTS_PER_SEQ = 1
+DECODE_WAITING_REQUESTS_PER_SEQ = 1 / 8
 WAITING_PROMPT_TOKENS_PER_BATCH = 8
 PREP_THREADS = 4
 
@@ -40,9 +47,10 @@ class AdmissionLimits:
 
     @staticmethod
     def of(max_num_seqs: int, max_num_batched_tokens: int, max_waiting_requests: int | None = None,
-           max_waiting_prompt_tokens: int | None = None) -> AdmissionLimits:
-        """The flags' values, or the defaults derived from the engine's batch limits."""
-        requests = max_num_seqs * WAITING_REQUESTS_PER_SEQ if max_waiting_requests is None else max_waiting_requests
+           max_waiting_prompt_tokens: int | None = None, role: str = "both") -> AdmissionLimits:
+        """The flags' values, or the defaults derived from the engine's batch limits (and the worker's role)."""
+        per_seq = DECODE_WAITING_REQUESTS_PER_SEQ if role == "decode" else WAITING_REQUESTS_PER_SEQ
+        requests = max(math.ceil(max_num_seqs * per_seq), 1) if max_waiting_requests is None else max_waiting_requests
         tokens = max_num_batched_tokens * WAITING_PROMPT_TOKENS_PER_BATCH if max_waiting_prompt_tokens is None \
             else max_waiting_prompt_tokens
         return AdmissionLimits(requests, tokens)

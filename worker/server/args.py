@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     a = p.add_argument_group("admission (past a bound: 429 with Retry-After, or 413)")
     a.add_argument("--max-waiting-requests", type=int, metavar="N",
-                   help="requests queued beyond the running batch (default: --max-num-seqs)")
+                   help="requests queued beyond the running batch (default: --max-num-seqs; on a decode worker an "
+                        "eighth of it)")
     a.add_argument("--max-waiting-prompt-tokens", type=int, metavar="N",
                    help="prompt tokens queued to compute here; a request alone is always queued (default: 8 x "
                         "--max-num-batched-tokens)")

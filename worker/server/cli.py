@@ -109,7 +109,7 @@ def admission_limits(args: argparse.Namespace) -> Any:
     if problems := body_limit_problems(args):
         raise ValueError("; ".join(problems))
     return AdmissionLimits.of(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting_requests,
-                              args.max_waiting_prompt_tokens)
+                              args.max_waiting_prompt_tokens, role=args.role)
 
 
 def run(args: argparse.Namespace) -> int:

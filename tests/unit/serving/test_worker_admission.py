@@ -42,6 +42,10 @@ def test_the_waiting_queue_is_bounded_by_requests_beyond_the_free_slots_and_by_p
 
 def test_default_limits_follow_the_batch_limits():
     assert AdmissionLimits.of(64, 2048) == AdmissionLimits(64, 8 * 2048)
+    # a decode worker queues few hand-offs beyond its batch: each is a started stream, stalled
+    assert AdmissionLimits.of(64, 2048, role="decode") == AdmissionLimits(8, 8 * 2048)
+    assert AdmissionLimits.of(4, 2048, role="decode").max_waiting_requests == 1
+    assert AdmissionLimits.of(64, 2048, 20, role="decode").max_waiting_requests == 20
     assert AdmissionLimits.of(64, 2048, 0, 500) == AdmissionLimits(0, 500)
 
 
