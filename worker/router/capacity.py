@@ -13,13 +13,14 @@ prefill hop decide what happens, and wait.
   since shedding it would cut an answer already started, and while one waits the pool's room is its: other
   requests wait or are shed, at the door (room_for, before any prefill) or at the hop.
 - The door (room_for, before any work for a request): what an endpoint held when it answered 429 is its
-  capacity for a while (CAPACITY_TTL_S, renewed by each 429). While every endpoint of the pool has one, the
+  capacity (endpoints.Endpoint.door_capacity: exact for a few seconds, then growing slowly until the next 429
+  sets it again, forgotten a minute after the last). While every endpoint of the pool has one, the
   router's requests for the pool - at its endpoints, in their prefill hop, committed and waiting for room - may
   not exceed their sum: one more would be refused at the decode after its prefill was spent, or queue there
   behind the others, so it waits for room at the door like the others (above). Without this, one credit opens the
   door to every request that arrives before the next 429 comes back, and under a flood the pool is sent twice
   what it can take: prefills spent on requests that then wait or are refused, and admitted requests that miss
-  their deadlines. The count lapses with the last 429's TTL, so capacity that grew is found again.
+  their deadlines.
 - No endpoint ready at all: one that answers its probes "not ready" (starting) is waited for, within the connect
   bound (probes.await_ready); else the caller answers 503.
 """
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
     from disagg.worker.router.state import RouterState
 
 DEFAULT_RETRY_AFTER_S = 1  # a worker's 429 without a readable Retry-After, and the least one a shed request gets
-# how long what an endpoint held at its last 429 counts as its capacity at the door: long enough that a flood is not
-# let through every few seconds to find it again, short enough that capacity freed elsewhere (another router's
-# load gone) is found soon
-CAPACITY_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -63,14 +60,12 @@ def retry_after_of(header: str | None) -> float:
 
 def saturated(state: RouterState, pool: EndpointPool, ep: Endpoint, retry_after: str | None,
               refused_counted: bool = True) -> None:
-    """`ep` answered 429: saturated until its Retry-After, what this router has in flight there its capacity
-    at the door for CAPACITY_TTL_S; the waiters hear when either runs out."""
+    """`ep` answered 429: saturated until its Retry-After (the waiters hear when that runs out), what this
+    router has in flight there its capacity at the door."""
     seconds = retry_after_of(retry_after)
-    pool.mark_saturated(ep, seconds, CAPACITY_TTL_S, refused_counted)
+    pool.mark_saturated(ep, seconds, refused_counted)
     state.metrics.saturated(pool.role)
-    loop = asyncio.get_running_loop()
-    loop.call_later(seconds, state.room(pool).notify_all)
-    loop.call_later(CAPACITY_TTL_S, state.room(pool).notify_all)
+    asyncio.get_running_loop().call_later(seconds, state.room(pool).notify_all)
 
 
 def released(state: RouterState, pool: EndpointPool, ep: Endpoint, freed: bool = True) -> None:

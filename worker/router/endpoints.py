@@ -18,6 +18,11 @@ from disagg.worker.router.policy import Candidate, RoutingPolicy
 # out and abandon the waits on it (an answer other than 200, or a refused connection, takes it out at once).
 # Per router: `--unresponsive-after`, spec.router.timeouts.unresponsiveSeconds (a CPU-starved vLLM needs more)
 UNRESPONSIVE_AFTER_S = 8.0
+# what an endpoint held at its last 429 is its capacity at the router's door (capacity.py) exactly for this long,
+# then grows by a tenth each such period (a flood let through to find it again would spend prefills on requests
+# then refused), and is forgotten this long after the 429
+CAPACITY_EXACT_S = 5.0
+CAPACITY_FORGET_S = 60.0
 # what a worker's /metrics says about its load: the same names on both engines (ours exports vLLM's)
 RUNNING, WAITING, KV_USAGE = NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE
 
@@ -42,9 +47,9 @@ class Endpoint:
     saturated_until: float = 0.0
     credits: int = 0
     # how many of this router's requests it held when it last answered 429 (in flight there, the refused one
-    # not counted): its capacity as this router sees it, trusted until capacity_until (monotonic; the door)
+    # not counted), and when (monotonic): its capacity as this router sees it (door_capacity)
     capacity_seen: int = 0
-    capacity_until: float = 0.0
+    capacity_since: float = 0.0
     waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
 
     def unresponsive(self) -> bool:
@@ -67,6 +72,18 @@ class Endpoint:
         event loop is flooded answers /ready late but is no hung process; judged by its probes alone, overload
         would eject it."""
         self.unanswered_since = None
+
+    def door_capacity(self, now: float) -> int | None:
+        """What it may hold of this router's requests (the door, capacity.py): what it held at its last 429, for
+        CAPACITY_EXACT_S; then a tenth more (at least one) each such period - room that grew is found a few
+        requests at a time, and a 429 sets it again - and nothing known CAPACITY_FORGET_S after that 429 (None)."""
+        age = now - self.capacity_since
+        if not self.capacity_seen or age >= CAPACITY_FORGET_S:
+            return None
+        capacity = self.capacity_seen
+        for _ in range(int(age // CAPACITY_EXACT_S)):
+            capacity += max(capacity // 10, 1)
+        return capacity
 
     def saturated(self, now: float) -> bool:
         """Full by its last 429, with no room freed since (capacity.py)."""
@@ -195,22 +212,25 @@ class EndpointPool:
         now = self.clock()
         return max(min((e.saturated_until for e in self.available(exclude)), default=now) - now, 0.0)
 
-    def mark_saturated(self, endpoint: Endpoint, seconds: float, capacity_ttl_s: float = 0.0,
-                       refused_counted: bool = True) -> None:
+    def mark_saturated(self, endpoint: Endpoint, seconds: float, refused_counted: bool = True) -> None:
         """It answered 429 with Retry-After `seconds`: full until then (no room freed since it said so), and
-        what this router had in flight there is its capacity for `capacity_ttl_s` (door_full; `refused_counted`:
-        the refused request is in `outstanding` still). Not a failure: its health and ejection are left alone."""
+        what this router has in flight there is its capacity (Endpoint.door_capacity; `refused_counted`: the
+        refused request is in `outstanding` still). Not a failure: its health and ejection are left alone."""
         now = self.clock()
         endpoint.saturated_until = max(endpoint.saturated_until, now + seconds)
         endpoint.credits = 0
         endpoint.capacity_seen = max(endpoint.outstanding - refused_counted, 1)
-        endpoint.capacity_until = now + capacity_ttl_s
+        endpoint.capacity_since = now
 
-    def door_limited(self) -> bool:
-        """Every available endpoint's capacity is known (a recent 429 told it): the door counts."""
+    def _door_capacities(self) -> list[int] | None:
         now = self.clock()
         available = self.available()
-        return bool(available) and all(now < e.capacity_until for e in available)
+        capacities = [e.door_capacity(now) for e in available]
+        return capacities if available and None not in capacities else None
+
+    def door_limited(self) -> bool:
+        """Every available endpoint's capacity is known (a 429 told it): the door counts."""
+        return self._door_capacities() is not None
 
     def door_full(self, committed: int = 0) -> bool:
         """The requests this router has in flight for the pool - at its endpoints, in their prefill hop
@@ -218,11 +238,11 @@ class EndpointPool:
         when each last answered 429: a new request would only queue behind them (or be refused after its
         prefill was spent), so it waits at the door or is shed there. Unknown capacity (no recent 429 from an
         endpoint): never full."""
-        if not self.door_limited():
+        capacities = self._door_capacities()
+        if capacities is None:
             return False
-        available = self.available()
         in_flight = self.pending + committed + sum(e.outstanding for e in self.endpoints.values())
-        return in_flight >= sum(e.capacity_seen for e in available)
+        return in_flight >= sum(capacities)
 
     def released(self, endpoint: Endpoint, freed: bool = True) -> bool:
         """A request this router sent there finished; True when that freed room at a saturated endpoint (one

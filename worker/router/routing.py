@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 # The router drops idle connections well before any worker would (uvicorn's timeout_keep_alive default, which
 # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE keeps).
 KEEPALIVE_EXPIRY_S = 2.0
+# The same race on the router's own listener: its clients (the OpenAI SDKs' httpx pools: 5 s; Envoy, load
+# balancers: a minute or more) keep idle connections at least as long as uvicorn's 5 s, so the router closing first
+# reset requests written meanwhile (bench/overload.py saw ReadErrors under a flood). Past what common clients keep
+# (75 s, nginx's default), the client is the one that closes.
+LISTENER_KEEP_ALIVE_S = 75
 HOP_CONNECTIONS = 1000  # the hops' pool: past it a request waits the connect bound for one, then gets a 503
 PROBE_CONNECTIONS = 64  # the probes' and scrapes' own pool
 
@@ -83,8 +88,10 @@ class GracefulServer(uvicorn.Server):
 
 
 def graceful_config(app: Any, drain_timeout_s: float, **kw: Any) -> uvicorn.Config:
-    """uvicorn's config for a GracefulServer: its own bound on open connections past the drain timeout."""
-    return uvicorn.Config(app, timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S, access_log=False, **kw)
+    """uvicorn's config for a GracefulServer: its own bound on open connections past the drain timeout, and
+    idle client connections kept longer than clients keep them (LISTENER_KEEP_ALIVE_S)."""
+    return uvicorn.Config(app, timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S, access_log=False,
+                          timeout_keep_alive=LISTENER_KEEP_ALIVE_S, **kw)
 
 
 def worker_client(api_key: str | None = None) -> httpx.AsyncClient:

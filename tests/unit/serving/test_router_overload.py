@@ -110,7 +110,7 @@ def test_a_saturated_endpoint_is_skipped_until_its_retry_after_or_until_room_is_
     assert not pool.released(d2)  # not saturated any more: no credit
 
 
-def test_what_an_endpoint_held_at_its_429_is_its_capacity_at_the_door_until_that_lapses():
+def test_what_an_endpoint_held_at_its_429_is_its_capacity_at_the_door_then_grows_and_is_forgotten():
     now = [100.0]
     pool = EndpointPool("decode", "round-robin", clock=lambda: now[0])
     pool.set_urls([D1, D2])
@@ -118,10 +118,10 @@ def test_what_an_endpoint_held_at_its_429_is_its_capacity_at_the_door_until_that
         ep.ready = True
     d1, d2 = pool.endpoints[D1], pool.endpoints[D2]
     d1.outstanding = 3  # the refused request still counted: it held 2
-    pool.mark_saturated(d1, 1.0, capacity_ttl_s=5.0)
+    pool.mark_saturated(d1, 1.0)
     assert not pool.door_limited() and not pool.door_full(), "D2's capacity is unknown: the door stays open"
     d2.outstanding = 2  # refused after its count was released: it held 2
-    pool.mark_saturated(d2, 1.0, capacity_ttl_s=5.0, refused_counted=False)
+    pool.mark_saturated(d2, 1.0, refused_counted=False)
     d1.outstanding = 2
     assert pool.door_limited() and pool.door_full()  # 4 in flight, 4 held
     d1.outstanding = 1
@@ -130,8 +130,12 @@ def test_what_an_endpoint_held_at_its_429_is_its_capacity_at_the_door_until_that
     assert pool.door_full()
     pool.pending = 0
     assert pool.door_full(committed=1)  # one whose first token was sent, waiting for room
-    now[0] += 5.1  # no 429 since: what they hold may have grown
-    assert not pool.door_limited() and not pool.door_full(committed=1)
+    now[0] += 5.1  # no 429 since: room may have grown - one more each (a tenth, at least one)
+    assert d1.door_capacity(now[0]) == 3 and not pool.door_full(committed=2) and pool.door_full(committed=3)
+    d1.capacity_seen = 40
+    assert d1.door_capacity(now[0]) == 44 and d1.door_capacity(now[0] + 5) == 48
+    now[0] += 60  # a minute without a 429: nothing known, the door is open
+    assert d1.door_capacity(now[0]) is None and not pool.door_limited() and not pool.door_full(committed=100)
 
 
 # ---------------------------------------------------------------- 429s
