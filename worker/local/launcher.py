@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from disagg.operator.plan import check_local, initial_replicas, local_worker, model_cache_dir
+from disagg.worker.cores import usable_cores
 from disagg.worker.local.front_door import CLI, FrontDoor, gateway_front_door, router_front_door
 from disagg.worker.local.process import (
     LocalProcess, ProcessSpec, free_port, shutdown, start_status_server, wait_all_ready,
@@ -107,28 +108,35 @@ def find_vllm(configured: str | None = None) -> str:
 
 
 VLLM_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+OMP_THREADS = "OMP_NUM_THREADS"
 
 
-def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = None) -> str:
-    """The cores one local vLLM process binds its OpenMP threads to (vLLM's CPU platform; ignored on GPUs).
+def core_share(spec: Any, role: str, index: int, cores: list[int] | None = None) -> list[int]:
+    """The cores one local worker gets of this machine's (`cores`: default the usable ones, quota counted).
 
-    vLLM binds every process to all cores by default; several on one machine then share each core with the
-    others' threads, and every OpenMP barrier waits for a descheduled peer: three vLLM processes on 2 cores
-    generated 0.1-1.4 tokens/s, where one core each serves normally. So the machine's cores are split among
-    the most workers the spec can run (max replicas with autoscaling; a role with none gets none): prefill slots
-    first, then decode; with fewer cores than workers each gets one core and they share round-robin."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    Split among the most workers the spec can run (max replicas with autoscaling; a role with none gets none):
+    prefill slots first, then decode; with fewer cores than workers each gets one core and they share
+    round-robin. Engines that start a thread per core of the machine in each process (vLLM's OpenMP binding,
+    torch's intra-op pool) otherwise share every core with the others' threads, and every OpenMP barrier waits
+    for a descheduled peer: three vLLM processes on 2 cores generated 0.1-1.4 tokens/s, where one core each
+    serves normally; our engine served 26 req/s within the SLO with 2 threads per worker, 38 with one
+    (disagg.worker.cores)."""
+    cores = usable_cores() if cores is None else cores
     slots = {r: (getattr(spec.autoscaling, r).max_replicas if spec.autoscaling.enabled else getattr(spec, r).replicas)
              for r in ("prefill", "decode")}
     slots[role] = max(slots[role], 1)  # this worker runs, whatever the spec says of its role's count
     total = slots["prefill"] + slots["decode"]
     slot = (index % slots["prefill"]) if role == "prefill" else slots["prefill"] + index % slots["decode"]
     if len(cores) < total:
-        mine = [cores[slot % len(cores)]]
-    else:
-        per = len(cores) // total
-        mine = cores[slot * per:(slot + 1) * per]
-    # tensor parallel: one list per rank, "|" between them (vLLM's format)
+        return [cores[slot % len(cores)]]
+    per = len(cores) // total
+    return cores[slot * per:(slot + 1) * per]
+
+
+def vllm_cpu_bind(spec: Any, role: str, index: int, cores: list[int] | None = None) -> str:
+    """The cores one local vLLM process binds its OpenMP threads to (vLLM's CPU platform; ignored on GPUs): its
+    core_share, one list per tensor-parallel rank, "|" between them (vLLM's format)."""
+    mine = core_share(spec, role, index, cores)
     tp = getattr(spec, role).tensor_parallel_size
     per_rank = [mine[r * len(mine) // tp:(r + 1) * len(mine) // tp] or [mine[r % len(mine)]] for r in range(tp)]
     return "|".join(",".join(str(c) for c in rank) for rank in per_rank)
@@ -157,6 +165,8 @@ def worker_spec(spec: Any, role: str, index: int, model_dir: str, host: str, por
     env = {**(handoff or {}), **worker.env}
     if spec.engine == "vllm" and VLLM_CPU_BIND not in env and VLLM_CPU_BIND not in os.environ:
         env[VLLM_CPU_BIND] = vllm_cpu_bind(spec, role, index)
+    if spec.engine != "vllm" and OMP_THREADS not in env and OMP_THREADS not in os.environ:
+        env[OMP_THREADS] = str(len(core_share(spec, role, index)))  # the worker's CPU kernels (cores.py)
     if spec.engine == "vllm":  # pd-proxy ... -- vllm serve ...: the proxy is ours, the engine the given vLLM
         split = worker.argv.index("--")
         argv = [*CLI, *worker.argv[1:split], "--", vllm_executable or find_vllm(), *worker.argv[split + 2:]]

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="threads of the engine's CPU kernels (torch intra-op); 0: $OMP_NUM_THREADS when set, else "
+                        "the cores this process may use - its affinity cut to its cgroup's CPU quota (`disagg up` "
+                        "gives each worker its share of the machine)")
     a = p.add_argument_group("admission (past a bound: 429 with Retry-After, or 413)")
     a.add_argument("--max-waiting-requests", type=int, metavar="N",
                    help="requests queued beyond the running batch (default: --max-num-seqs; on a decode worker an "

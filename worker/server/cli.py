@@ -120,6 +120,12 @@ def run(args: argparse.Namespace) -> int:
     for warning in exposure_warnings(args):
         logger.warning("%s", warning)
     api_keys = worker_own_keys(args.api_key)
+    if args.cpu_threads < 0:
+        logger.error("--cpu-threads must be >= 0 (0: automatic), got %d", args.cpu_threads)
+        return 2
+    from disagg.worker.cores import set_cpu_threads
+
+    set_cpu_threads(args.cpu_threads)
     try:
         signer = handoff_signer()
         config = engine_config(args, model, signer)

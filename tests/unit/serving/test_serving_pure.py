@@ -244,6 +244,40 @@ def test_local_vllm_processes_get_cores_of_their_own():
     assert vllm_cpu_bind(tp, "decode", 0, cores=list(range(8))) == "4,5|6,7"  # one list per rank
 
 
+def test_local_workers_of_our_engine_get_a_thread_per_core_of_their_share(monkeypatch):
+    """torch starts a thread per core in every worker; several workers on one machine then wait on each other's
+    descheduled threads (2 workers on 2 cores: 26 req/s within the SLO with 2 threads each, 38 with one)."""
+    from disagg.worker.local import launcher
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = parse_spec({**LOCAL, "decode": {**LOCAL["decode"], "replicas": 1}})
+    ports = iter(range(9000, 9100))
+    monkeypatch.setattr(launcher, "usable_cores", lambda: list(range(8)))
+    procs = launcher.plan(spec, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").workers
+    assert [p.env["OMP_NUM_THREADS"] for p in procs] == ["4", "4"]  # 8 cores, 1 prefill + 1 decode
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1])
+    three = parse_spec({**LOCAL, "decode": {**LOCAL["decode"], "replicas": 2}})
+    procs = launcher.plan(three, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").workers
+    assert [p.env["OMP_NUM_THREADS"] for p in procs] == ["1", "1", "1"]  # fewer cores than workers: one each
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is inherited, not replaced
+    procs = launcher.plan(three, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv").workers
+    assert all("OMP_NUM_THREADS" not in p.env for p in procs)
+
+
+@pytest.mark.parametrize("requested, env, expected", [
+    (3, {"OMP_NUM_THREADS": "2"}, (3, "--cpu-threads")),
+    (0, {"OMP_NUM_THREADS": "2"}, (2, "OMP_NUM_THREADS")),
+    (0, {"OMP_NUM_THREADS": "lots"}, (5, "the usable cores")),
+    (0, {}, (5, "the usable cores")),
+])
+def test_a_worker_sizes_its_cpu_kernels_flag_then_environment_then_usable_cores(monkeypatch, requested, env,
+                                                                                 expected):
+    from disagg.worker import cores
+
+    monkeypatch.setattr(cores, "usable_cores", lambda: list(range(5)))
+    assert cores.cpu_threads(requested, env) == expected
+
+
 def test_a_vllm_bind_the_user_set_is_kept(monkeypatch):
     vllm = parse_spec({**LOCAL, "engine": "vllm", "kvTransfer": {"connector": "NixlConnector"},
                        "prefill": {**LOCAL["prefill"], "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND",
@@ -255,3 +289,15 @@ def test_a_vllm_bind_the_user_set_is_kept(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     procs = plan(vllm, "/ckpt", "127.0.0.1", 8000, lambda: next(ports), "/kv", vllm_executable="/bin/true").processes
     assert "VLLM_CPU_OMP_THREADS_BIND" not in procs[1].env  # inherited from the caller's environment
+
+
+def test_the_worker_sets_torchs_thread_pool_to_what_it_chose():
+    import torch
+
+    from disagg.worker.cores import set_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_cpu_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
