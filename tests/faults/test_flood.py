@@ -18,6 +18,8 @@ from cores import usable_cores
 from ctl_fixtures import LEASE_S, router_counter, wait_idle
 from overload_fixtures import body, closed_loop, offer, pd_fleet, percentile
 
+from disagg.worker.router.waiting_room import DEFAULT_QUEUE_WAIT_S
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     len(usable_cores()) < 4, reason="flood at 10x capacity: needs cores for the load generator apart from the "
     "workers'; on 2 cores the client starves with them (clean-clone CI: 102 admitted streams the client itself gave "
@@ -26,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 MAX_NUM_SEQS = 4
 WORKER_FLAGS = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
                 "--served-model-name", "tiny-llama", "--max-num-seqs", str(MAX_NUM_SEQS)]
-QUEUE_WAIT_S = 0.5  # the router's default --queue-wait
+QUEUE_WAIT_S = DEFAULT_QUEUE_WAIT_S  # the router's default --queue-wait
 FLOOD_S, MULTIPLE = 30.0, 10
 MAX_TOKENS = 64
 SLACK_S = 5.0  # a shared 2-core machine: the flood's own client runs on it too
