@@ -321,8 +321,9 @@ def start(tmp: Path, spec: Path, gateway: bool = False, attempts: int = 3) -> tu
     for attempt in range(attempts):
         port = free_port()
         log = tmp / f"up-{attempt}.out"
-        proc = subprocess.Popen([*CLI, "up", "-f", str(spec), "--port", str(port), "--log-dir",
-                                 str(tmp / f"logs-{attempt}"), *(["--gateway"] if gateway else [])], stdout=log.open("w"), stderr=subprocess.STDOUT)
+        cmd = [*CLI, "up", "-f", str(spec), "--port", str(port), "--log-dir", str(tmp / f"logs-{attempt}")]
+        proc = subprocess.Popen(cmd + (["--gateway"] if gateway else []), stdout=log.open("w"),
+                                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while "serving" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -344,7 +345,8 @@ def table(title: str, capacity: float, steps: list[tuple[float, Step]], search: 
         lines.append(f"| {m:g}x | {s.rate:.2f} | {s.sent_rate:.2f} | {s.goodput:.2f} | {s.goodput / peak:.0%} | "
                      f"{s.goodput_per_arrivals:.2f} | "
                      f"{s.shed:.0%} | {s.errors:.0%} | {s.ttft_p50:.3f} s | {s.ttft_p99:.3f} s | "
-                     f"{s.idle_after_s:.1f} s | {s.client_cpu:.2f} cores | {s.foreign_cpu:.2f} cores | {s.listen_drops} |")
+                     f"{s.idle_after_s:.1f} s | {s.client_cpu:.2f} cores | {s.foreign_cpu:.2f} cores | "
+                     f"{s.listen_drops} |")
     return "\n".join(lines)
 
 
@@ -375,6 +377,8 @@ def main() -> int:
                         "(0: do not wait)")
     p.add_argument("--json", help="write the steps here")
     args = p.parse_args()
+    if args.url and (args.gateway or args.spec):
+        p.error("--url measures a running front door: --gateway and --spec only choose what `disagg up` starts")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: `disagg up` is stopped too (finally)
     with tempfile.TemporaryDirectory(prefix="overload-") as d:
         tmp = Path(d)
