@@ -76,8 +76,9 @@ def stack(request, tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"monitoring-{engine}")
     helm = tmp_path_factory.mktemp("helm")
     # vLLM's CPU build on 2 shared cores misses the default 1 s TTFT SLO (its first NIXL handshake alone can take
-    # seconds): the SLO is set where this machine meets it, so only the stack's real faults raise alerts
-    cm, rule = render_monitoring(helm, *(["--set-string", "monitoring.prometheusRule.ttftSeconds=10.0"]
+    # seconds, and a loaded CI run once took over 10 s for one of the six streamed requests): the SLO is set above
+    # the 120 s the clients below wait, so only the stack's real faults raise alerts
+    cm, rule = render_monitoring(helm, *(["--set-string", "monitoring.prometheusRule.ttftSeconds=160.0"]
                                          if engine == "vllm" else []))
     monitor = render_worker_pod_monitor(helm)
     rules = write_rules_file(rule, work / "rules.yaml")
