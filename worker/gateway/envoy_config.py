@@ -1,7 +1,8 @@
 """Envoy configured as a Gateway API Inference Extension gateway implementation configures it (pure: a dict).
 
-    client -> listener (HTTPS with a certificate given) -> header_mutation (drop client-sent routing headers) -> ext_proc (our endpoint picker,
-    request headers + the buffered body) -> router:
+    client -> listener (HTTPS with a certificate given) -> header_mutation (drop client-sent routing headers)
+    -> buffer (the whole request before anything decides on it) -> admission_control (shed part of a flood in
+    Envoy itself) -> ext_proc (our endpoint picker, request headers + the buffered body) -> router:
         picked (envoy.lb dynamic metadata)  -> cluster "picked": ORIGINAL_DST, x-gateway-destination-endpoint
         not picked (the picker failed open) -> cluster "pool": the InferencePool's endpoints, round robin
 
@@ -10,6 +11,19 @@ FailClose (`status_on_error`) and the pool's round robin with FailOpen (`failure
 buffered, not streamed: Envoy fails open only for buffered bodies (a streamed body cannot be replayed to another
 route). The pool's endpoints come from a file Envoy watches (`pool_eds_path`, see `endpoints_file`), rewritten
 as pods come and go.
+
+Admission control (Envoy's filter: the client-side throttling of Google's SRE book): while more than
+`shed_threshold` of the recent requests were answered 429 (by the picker or a worker: the pool is saturated),
+Envoy refuses a share of the new ones itself, before they cost the picker a gRPC exchange - the share grows as
+the 429s do, and the requests it lets through still meet the picker's exact admission. Its refusals are 429s
+with Retry-After and the OpenAI error body, as the picker's are. Under a flood of ten times capacity on 2
+cores, the picker's exchanges for requests it only refused took 0.5 cores away from the model servers
+(bench/overload.py --gateway). Envoy's stat `http.gateway.admission_control.rq_rejected` counts its refusals.
+
+Why the buffer filter: a reply Envoy makes before it has read the request's body (a refusal at the headers, by
+admission control or the picker) closes an HTTP/1.1 connection, so every refused client of a flood connected
+anew (3,000 new connections in 10 s at ten times capacity). With the whole request read first, the connection
+stays open. Its limit is the model servers' body limit: a bigger body is answered 413 at the gateway.
 """
 from __future__ import annotations
 
@@ -18,6 +32,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # GIE's endpoint-picker protocol: "ip:port" of the pick
 PREFILL_HEADER = "x-prefiller-host-port"
@@ -41,6 +57,9 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0  # to a model server
     tls_cert_path: str | None = None  # the listener serves HTTPS with this certificate (chain) and key, PEM files
     tls_key_path: str | None = None
+    shed_threshold: float | None = 0.05  # 429s above this share of recent requests: Envoy sheds too; None: never
+    shed_window_s: float = 2.0  # how far back "recent" goes (a flood's end is forgotten within it)
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # above: 413 at the gateway
 
     def __post_init__(self) -> None:
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
@@ -55,10 +74,13 @@ def _ext_proc_filter(c: GatewayConfig) -> dict[str, Any]:
     ext_proc: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": f"{c.picker_timeout_s:g}s"},
-        # the response's headers too: a worker's 429 tells the picker that endpoint is at capacity
-        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
+        # the response's headers of the requests the picker lets through (it asks, mode_override): a worker's
+        # 429 tells it that endpoint is at capacity; the gateway's own replies (admission control's refusals,
+        # the picker's) open no exchange - they were one per request of a flood
+        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
                             "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
+        "allow_mode_override": True,
         "message_timeout": f"{c.picker_timeout_s:g}s",
         "failure_mode_allow": c.failure_mode == "FailOpen",
         # the picker's dynamic metadata (envoy.lb) is what the route matches on
@@ -69,12 +91,55 @@ def _ext_proc_filter(c: GatewayConfig) -> dict[str, Any]:
     return {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}
 
 
+SHED_DETAILS = "denied_by_admission_control"  # the response code details of the filter's refusals
+SHED_RETRY_AFTER_S = 1
+SHED_MESSAGE = ("too many requests: the inference pool is at capacity and the gateway is shedding load; retry "
+                f"after {SHED_RETRY_AFTER_S} s")
+
+
+def _admission_control_filter(c: GatewayConfig) -> dict[str, Any]:
+    """Refuses with probability ((n - s / threshold) / (n + 1)) over the last `shed_window_s` (n requests, s not
+    answered 429); at most 95% (a share always reaches the picker, which sees the pool recover)."""
+    assert c.shed_threshold is not None
+    return {"name": "envoy.filters.http.admission_control", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.admission_control.v3.AdmissionControl",
+        "enabled": {"default_value": True, "runtime_key": "gateway.admission_control.enabled"},
+        "sampling_window": f"{c.shed_window_s:g}s",
+        "sr_threshold": {"default_value": {"value": 100.0 * (1 - c.shed_threshold)},
+                         "runtime_key": "gateway.admission_control.sr_threshold"},
+        "rps_threshold": {"default_value": 5, "runtime_key": "gateway.admission_control.rps_threshold"},
+        "max_rejection_probability": {"default_value": {"value": 95.0},
+                                      "runtime_key": "gateway.admission_control.max_rejection_probability"},
+        # only "the pool is saturated" counts against admission: a worker's 5xx is no reason to refuse others
+        "success_criteria": {"http_criteria": {"http_success_status": [{"start": 100, "end": 429},
+                                                                       {"start": 430, "end": 600}]}}}}
+
+
+def _shed_reply() -> dict[str, Any]:
+    """The filter answers 503 with an empty body; clients are told what the picker tells them when it sheds."""
+    body = json.dumps({"error": {"message": SHED_MESSAGE, "type": "rate_limit_exceeded", "param": None,
+                                 "code": 429}})
+    refused_here = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": f"response.code_details == '{SHED_DETAILS}'"}}}
+    return {"mappers": [{"filter": refused_here, "status_code": 429, "body": {"inline_string": body},
+                         "headers_to_add": [
+                             {"header": {"key": "retry-after", "value": str(SHED_RETRY_AFTER_S)}},
+                             {"header": {"key": "content-type", "value": "application/json"}}]}]}
+
+
 def _downstream_tls(c: GatewayConfig) -> dict[str, Any]:
     """The listener's TLS (Envoy reads the files at start; a plaintext request gets its connection closed)."""
     return {"name": "envoy.transport_sockets.tls", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
         "common_tls_context": {"tls_certificates": [{"certificate_chain": {"filename": c.tls_cert_path},
                                                      "private_key": {"filename": c.tls_key_path}}]}}}
+
+
+def _whole_request(c: GatewayConfig) -> dict[str, Any]:
+    return {"name": "envoy.filters.http.buffer", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+        "max_request_bytes": c.max_request_body_bytes}}
 
 
 def _strip_picker_headers() -> dict[str, Any]:
@@ -93,11 +158,14 @@ def build_envoy_config(c: GatewayConfig) -> dict[str, Any]:
          "route": {"cluster": "picked", "timeout": "0s"}},  # 0: no overall bound (streams; the picker's bounds)
         {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}},
     ]
+    shedding = [_admission_control_filter(c)] if c.shed_threshold is not None else []
     hcm = {"@type": _HCM, "stat_prefix": "gateway", "stream_idle_timeout": "0s",
            "route_config": {"virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes}]},
-           "http_filters": [_strip_picker_headers(), _ext_proc_filter(c),
+           "http_filters": [_strip_picker_headers(), _whole_request(c), *shedding, _ext_proc_filter(c),
                             {"name": "envoy.filters.http.router", "typed_config": {
                                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    if shedding:
+        hcm["local_reply_config"] = _shed_reply()
     connect = f"{c.connect_timeout_s:g}s"
     clusters = [
         {"name": "endpoint_picker", "type": "STATIC", "connect_timeout": connect,

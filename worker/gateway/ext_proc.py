@@ -1,7 +1,9 @@
 """The endpoint-picker protocol of the Gateway API Inference Extension over Envoy's ext_proc gRPC stream.
 
 Per request Envoy sends the request headers, then (BUFFERED body mode) the whole body. The picker answers the
-headers with "continue" and the body with where to send the request:
+headers with "continue" - or refuses the request there when it can without its body (no API key; the pool at
+capacity and no room within the queue wait), before the gateway reads and forwards the body - and the body
+with where to send the request:
   - header `x-gateway-destination-endpoint: ip:port` (what Envoy's ORIGINAL_DST cluster routes to), the same in
     dynamic metadata `envoy.lb` (what other GIE gateways read), and for P/D `x-prefiller-host-port` naming the
     prefill endpoint the decode side calls; client-sent copies of either are removed;
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -58,6 +61,9 @@ class Pick:
 
 class Picker(Protocol):
     async def pick(self, request: PickRequest) -> Pick: ...
+
+    # optional: `async admit(request) -> Pick | None` - a refusal at the headers (request.body is empty then);
+    # `done(pick)`, `answered(pick, status, retry_after)` - see EndpointPickerService
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -160,6 +166,7 @@ class _Exchange:
         self.subset: tuple[str, ...] | None = None
         self.body = b""
         self.request_duplex = self.response_duplex = False
+        self.body_modes: tuple[int, int] | None = None  # (request, response) body modes, where Envoy says them
         self.pick: Pick | None = None
 
     def done(self) -> None:
@@ -171,13 +178,19 @@ class _Exchange:
         if message.HasField("protocol_config"):
             self.request_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
             self.response_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
+            self.body_modes = (message.protocol_config.request_body_mode,
+                               message.protocol_config.response_body_mode)
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
             self.subset = _subset(message)
             if message.request_headers.end_of_stream:  # no body: route now
-                return [await self._route(at_headers=True)]
-            return [] if self.request_duplex else [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+                return [self._with_response_headers(await self._route(at_headers=True))]
+            early = await self._admit()
+            if early is not None:  # refused before its body is read (the gateway buffers none of it)
+                return [refused(early)]
+            return [] if self.request_duplex else \
+                [self._with_response_headers(ep.ProcessingResponse(request_headers=ep.HeadersResponse()))]
         if kind == "request_body":
             self.body += message.request_body.body
             if not message.request_body.end_of_stream:  # STREAMED mode answers each part; full duplex waits
@@ -213,6 +226,32 @@ class _Exchange:
         except ValueError:
             return
         on_answer(self.pick, status, values.get("retry-after"))
+
+    def _with_response_headers(self, answer: ep.ProcessingResponse) -> ep.ProcessingResponse:
+        """Asks for this request's response headers (`mode_override`, honoured where the gateway allows it, as
+        ours does: it sends none by default): a request that goes on to a worker tells the picker its status,
+        and a request refused at the gateway (admission control, the picker's own answers) costs no exchange
+        for its reply. Only with a buffered body, whose modes the override must repeat (an override replaces
+        them all)."""
+        if answer.HasField("immediate_response") or self.body_modes is None or self.request_duplex:
+            return answer
+        answer.mode_override.CopyFrom(pm.ProcessingMode(
+            response_header_mode=pm.ProcessingMode.SEND, request_body_mode=self.body_modes[0],
+            response_body_mode=self.body_modes[1]))
+        return answer
+
+    async def _admit(self) -> Pick | None:
+        """A picker's refusal at the headers (`admit`: no API key, or the pool is at capacity), else None."""
+        admit = getattr(self.picker, "admit", None)
+        if admit is None:
+            return None
+        request = PickRequest(self.headers.get(":method", ""), self.headers.get(":path", ""), self.headers, b"",
+                              self.subset)
+        try:
+            return await admit(request)
+        except Exception:  # noqa: BLE001 - the body's pick decides then
+            logger.exception("admitting %s at its headers failed", request.path)
+            return None
 
     async def _route(self, at_headers: bool) -> ep.ProcessingResponse:
         request = PickRequest(self.headers.get(":method", ""), self.headers.get(":path", ""), self.headers,

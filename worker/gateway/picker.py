@@ -22,8 +22,9 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from disagg.worker.api_keys import OPEN_PATHS
 from disagg.worker.gateway.ext_proc import Pick, PickRequest
-from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
+from disagg.worker.router.capacity import Shed, next_endpoint, released, room_for, saturated
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
 from disagg.worker.router.hop_bodies import needs_prompt_logits
 from disagg.worker.router.policy import RoutePlan
@@ -88,6 +89,20 @@ class RoutingPicker:
         state.metrics.hop("pick", time.monotonic() - started, error=False)
         return pick
 
+    async def admit(self, request: PickRequest) -> Pick | None:
+        """At the request's headers: 429 when every decode endpoint is saturated, or the requests in flight fill
+        what the decode endpoints held when they last answered 429 (capacity.room_for: the door), and no room
+        comes within the queue wait - before the gateway reads the body, and before a worker would only answer
+        429 itself. None: the body's pick decides (a subset hint is the body's pick's business too)."""
+        state = self.state
+        if request.subset is not None or request.path.split("?", 1)[0] not in GENERATION_PATHS \
+                or not state.decode.endpoints:
+            return None
+        shed = await room_for(state, state.decode, Deadline(state.timeouts))
+        if shed is None:
+            return None
+        return Pick(status=429, retry_after_s=shed.retry_after_s, message=shed.message)
+
     def done(self, pick: Pick) -> None:
         freed = id(pick) not in self._refused
         self._refused.discard(id(pick))
@@ -123,8 +138,6 @@ class AuthenticatingPicker:
         self.picker, self.keys, self.worker_key = picker, keys, worker_key
 
     async def pick(self, request: PickRequest) -> Pick:
-        from disagg.worker.api_keys import OPEN_PATHS
-
         path = request.path.split("?", 1)[0]
         problem = self.keys.problem(request.headers.get("authorization")) \
             if self.keys is not None and path not in OPEN_PATHS else None
@@ -135,6 +148,17 @@ class AuthenticatingPicker:
         if pick.status == 200 and self.worker_key:
             pick.headers["authorization"] = f"Bearer {self.worker_key}"
         return pick
+
+    async def admit(self, request: PickRequest) -> Pick | None:
+        """A missing or wrong API key is refused at the headers too (the body is never read)."""
+        path = request.path.split("?", 1)[0]
+        if self.keys is not None and path not in OPEN_PATHS:
+            problem = self.keys.problem(request.headers.get("authorization"))
+            if problem is not None:
+                self.picker.state.metrics.request("unauthorized")
+                return Pick(status=401, message=problem)
+        admit = getattr(self.picker, "admit", None)
+        return None if admit is None else await admit(request)
 
     def done(self, pick: Pick) -> None:
         self.picker.done(pick)

@@ -3,9 +3,11 @@ asyncio server on the main thread), for the protocol tests against a real Envoy.
 
     python scripted_picker.py PORT DECODE PREFILL     prints "ready"; SIGTERM stops it
 
-Decode DECODE and prefill PREFILL for any path but /none (503) and /shed (429); a subset hint wins. It tells
-the model server what it saw in headers: x-picker-saw-body (bytes:sha256 of the body it read) and
-x-picker-saw-prefill-header (whether a client's x-prefiller-host-port reached it)."""
+Decode DECODE and prefill PREFILL for any path but /none (503), /shed (429) and /shed-early (429 at the
+headers, before the body is read); a subset hint wins. It tells the model server what it saw in headers:
+x-picker-saw-body (bytes:sha256 of the body it read), x-picker-saw-prefill-header (whether a client's
+x-prefiller-host-port reached it) and x-picker-heard (the status of the last response the gateway passed it
+for a request it routed, "none" before any)."""
 import asyncio
 import hashlib
 import signal
@@ -21,6 +23,15 @@ from disagg.worker.gateway.ext_proc import EndpointPickerService, Pick, PickRequ
 class ScriptedPicker:
     def __init__(self, decode: str, prefill: str):
         self.decode, self.prefill = decode, prefill
+        self.heard = "none"
+
+    async def admit(self, request: PickRequest) -> Pick | None:
+        if request.path == "/shed-early":
+            return Pick(status=429, message="refused at the headers", retry_after_s=1)
+        return None
+
+    def answered(self, pick: Pick, status: int, retry_after: str | None) -> None:
+        self.heard = str(status)
 
     async def pick(self, request: PickRequest) -> Pick:
         if request.path == "/none":
@@ -28,7 +39,8 @@ class ScriptedPicker:
         if request.path == "/shed":
             return Pick(status=429, message="every decode endpoint is saturated", retry_after_s=1)
         saw = {"x-picker-saw-body": f"{len(request.body)}:{hashlib.sha256(request.body).hexdigest()}",
-               "x-picker-saw-prefill-header": "yes" if PREFILL_HEADER in request.headers else "no"}
+               "x-picker-saw-prefill-header": "yes" if PREFILL_HEADER in request.headers else "no",
+               "x-picker-heard": self.heard}
         if request.subset is not None:
             return Pick(decode=self.decode, headers=saw) if self.decode in request.subset \
                 else Pick(status=503, message="no endpoint of the subset is ready")

@@ -29,6 +29,14 @@ class Echo(BaseHTTPRequestHandler):
     name = ""
 
     def _answer(self, body: bytes) -> None:
+        if self.path == "/status/429":  # a model server at capacity
+            out = b'{"error": {"message": "full", "code": 429}}'
+            self.send_response(429)
+            self.send_header("retry-after", "1")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            return
         if self.path == "/stream":
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
@@ -90,7 +98,9 @@ class PickerProcess:
         assert self.proc.wait(10) == 0
 
 
-def start_envoy(tmp_path, picker_port: int, pool_port: int, failure_mode: str, duplex: bool) -> tuple:
+def start_envoy(tmp_path, picker_port: int, pool_port: int, failure_mode: str, duplex: bool,
+                admin: list[str] | None = None) -> tuple:
+    """(process, listener URL); `admin` gets Envoy's admin URL appended."""
     eds = tmp_path / "pool" / "eds.json"
     eds.parent.mkdir(exist_ok=True)
     write_pool_endpoints(eds, [("127.0.0.1", pool_port)])
@@ -98,14 +108,17 @@ def start_envoy(tmp_path, picker_port: int, pool_port: int, failure_mode: str, d
                       free_port("127.0.0.1"), failure_mode)
     config = build_envoy_config(c)
     if duplex:  # what GIE's reference Envoy configuration asks for
-        ext_proc = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-            "http_filters"][1]["typed_config"]
+        filters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+            "http_filters"]
+        ext_proc = next(f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_proc")
         ext_proc["processing_mode"].update(request_body_mode="FULL_DUPLEX_STREAMED", request_trailer_mode="SEND")
     path = tmp_path / f"envoy-{failure_mode}-{duplex}.json"
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(envoy_argv(find_envoy(), str(path), concurrency=1), stdout=subprocess.DEVNULL,
                             stderr=(tmp_path / "envoy.log").open("ab"), preexec_fn=die_with_parent)
     wait_for(lambda: _ok(f"http://127.0.0.1:{c.admin_port}/ready"), 20, "envoy ready")
+    if admin is not None:
+        admin.append(f"http://127.0.0.1:{c.admin_port}")
     return proc, f"http://127.0.0.1:{c.listen_port}"
 
 
