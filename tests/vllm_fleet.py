@@ -39,4 +39,6 @@ def pd_spec(model_dir: str, served_name: str, **spec: Any) -> dict[str, Any]:
                       "maxModelLen": 512},
             "kvTransfer": {"connector": "NixlConnector", "leaseSeconds": 60},
             "prefill": {"replicas": 1, "env": env}, "decode": {"replicas": 1, "env": env},
-            "router": {"policy": "least-loaded"}, **spec}
+            # a starved 2-core machine stalls a proxy's or router's event loop past the default 5 s connect
+            # bound (a connection to a vLLM on the same host timed out, CI): the tests are not about that bound
+            "router": {"policy": "least-loaded", "timeouts": {"connectSeconds": 60}}, **spec}

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import waiting
-from vllm_env import disagg_up
+from vllm_env import disagg_up, what_it_said
 from vllm_fleet import STARTUP_S, pd_spec
 
 from disagg.worker.local.process import free_port
@@ -45,8 +45,6 @@ def autoscaling_spec(model_dir: str) -> dict:
                              ("decode", "1", ["--num-gpu-blocks-override", "8", "--max-num-seqs", "4"])):
         spec[role]["env"] = [*spec[role]["env"], {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core}]
         spec[role]["extraArgs"] = args
-    # a vLLM API server on a starved 2-core machine took over the router's default 5 s to accept a connection
-    spec["router"]["timeouts"] = {"connectSeconds": 60}
     spec["autoscaling"] = {
         "enabled": True, "dryRun": True, "intervalSeconds": 1,
         "prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2},
@@ -77,7 +75,9 @@ class Load:
             body = {"model": MODEL, "prompt": f"{i} {n} {self.prompt}", "max_tokens": self.max_tokens,
                     "temperature": 0, "ignore_eos": True}
             try:
-                self.statuses.append(httpx.post(f"{self.router}/v1/completions", json=body, timeout=300).status_code)
+                r = httpx.post(f"{self.router}/v1/completions", json=body, timeout=300)
+                # a refusal is kept with what it said (the router names its reason: no endpoint, pool full...)
+                self.statuses.append(r.status_code if r.status_code == 200 else f"{r.status_code}: {r.text[:300]}")
             except httpx.HTTPError as e:
                 self.statuses.append(f"{type(e).__name__}: {e}")
 
@@ -144,7 +144,8 @@ def _scenario(up: dict, start_load: Callable[[], Load], role: str) -> tuple[dict
         status = _status(up)
     finally:
         statuses = load.finish()
-    assert statuses and set(statuses) == {200}, [s for s in statuses if s != 200][:3]
+    assert statuses and set(statuses) == {200}, \
+        f"{[s for s in statuses if s != 200][:3]}\n{what_it_said(up['logs'].parent, up['output']())}"
     others = [e for e in status["autoscaling"]["events"][since:] if e["role"] != role]
     return event, status, others
 
