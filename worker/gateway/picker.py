@@ -26,14 +26,13 @@ from disagg.worker.api_keys import OPEN_PATHS
 from disagg.worker.gateway.ext_proc import Pick, PickRequest
 from disagg.worker.router.capacity import Shed, next_endpoint, released, room_for, saturated
 from disagg.worker.router.endpoints import Endpoint, EndpointPool
-from disagg.worker.router.hop_bodies import needs_prompt_logits
+from disagg.worker.router.hop_bodies import GENERATION_PATHS, needs_prompt_logits
 from disagg.worker.router.policy import RoutePlan
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRY_AFTER_S = 1  # what a refused request is told to wait
 
 

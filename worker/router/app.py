@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
 from disagg.worker.router.draining import STOPPING_MESSAGE
-from disagg.worker.router.hop_bodies import check_max_tokens
+from disagg.worker.router.hop_bodies import GENERATION_PATHS, check_max_tokens
 from disagg.worker.router.hops import serve
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.router.replies import Reply, error_reply, shed_reply
@@ -55,7 +56,36 @@ def build_app(state: RouterState) -> FastAPI:
     async def chat(request: Request) -> Response:
         return to_response(await route(state, request, "/v1/chat/completions"))
 
+    app.add_middleware(RefuseAtTheDoor, state=state)
     return app
+
+
+class RefuseAtTheDoor:
+    """ASGI middleware: a generation request that finds the decode pool full - every endpoint saturated, or the
+    requests in flight filling what the endpoints held at their last 429 (capacity.room_for) - and no room
+    within the queue wait gets its 429 before its body is read or parsed, and before the framework routes it:
+    under a flood nearly every request is refused, and each refusal is then the cost of its headers (as at the
+    gateway: the picker's admit). Plain ASGI, inside the API-key check; the body is left unread (the server
+    discards it and keeps the connection). With no decode endpoint available the request goes on (the hold
+    queue, or the ready wait, answers for it)."""
+
+    def __init__(self, app: Any, state: RouterState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        state = self.state
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST" \
+                or not state.decode.available() or state.drain.draining:
+            return await self.app(scope, receive, send)
+        shed = await room_for(state, state.decode, Deadline(state.timeouts))
+        if shed is None:
+            return await self.app(scope, receive, send)
+        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"") or uuid.uuid4().hex.encode()
+        reply = shed_reply(shed, None)
+        await send({"type": "http.response.start", "status": 429, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(reply.content)).encode()),
+            (b"retry-after", str(shed.retry_after_s).encode()), (b"x-request-id", request_id)]})
+        await send({"type": "http.response.body", "body": reply.content})
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:

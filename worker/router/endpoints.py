@@ -51,6 +51,10 @@ class Endpoint:
     capacity_seen: int = 0
     capacity_since: float = 0.0
     waiting_probe: Any = field(default=None, repr=False, compare=False)  # probes.await_ready's task, shared
+    # taken out by a hop that failed fast (a 5xx, a reset; not a timeout) and not probed since: with no endpoint
+    # of its pool ready it is chosen anyway (EndpointPool.available), rather than every request refused until a
+    # probe answers - which a busy worker's may not do for seconds
+    failed_fast: bool = False
 
     def unresponsive(self) -> bool:
         """Its readiness probes have timed out for unresponsive_after_s and no hop got an answer from it
@@ -135,6 +139,10 @@ class EndpointPool:
     outlier_policy: outliers.OutlierPolicy = field(default_factory=outliers.OutlierPolicy)
     clock: Callable[[], float] = time.monotonic
     unresponsive_after_s: float = UNRESPONSIVE_AFTER_S  # given to each endpoint (Endpoint.unresponsive)
+    # whether a failed hop takes the endpoint out (mark_failed). False for a decode side's own engine (pd-proxy's
+    # vLLM): it is the only place its requests can go, so taking it out would only refuse the next ones (a 503
+    # until a probe answers, which a busy engine may not do for seconds); its probes alone judge it
+    judged_by_hops: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -160,7 +168,14 @@ class EndpointPool:
         return self.policy.weighs_load
 
     def available(self, exclude: set[str] = frozenset()) -> list[Endpoint]:
+        """The ready endpoints but `exclude`, those not ejected when there are any. With none ready: those taken
+        out by a hop that failed fast (Endpoint.failed_fast) whose probes have not timed out for long - as
+        Envoy's panic threshold routes to every host when too few are healthy: one 5xx, or a reset connection,
+        at the only decode worker must not refuse every request until its next probe passes."""
         ready = [e for e in self.endpoints.values() if e.ready and e.url not in exclude]
+        if not ready:
+            return [e for e in self.endpoints.values() if e.failed_fast and e.url not in exclude
+                    and not e.unresponsive()]
         now = self.clock()
         return [e for e in ready if not outliers.is_ejected(e.health, now)] or ready
 
@@ -256,6 +271,9 @@ class EndpointPool:
     def mark_failed(self, endpoint: Endpoint, timed_out: bool = False) -> float | None:
         """A connection error, 5xx or timeout: stop choosing it until the next probe says it is ready, and
         eject it when outlier detection says so. Returns the ejection's length when it was ejected now."""
+        if not self.judged_by_hops:
+            return None
+        endpoint.failed_fast = (endpoint.ready or endpoint.failed_fast) and not timed_out
         endpoint.ready = False
         return outliers.on_failure(endpoint.health, self.outlier_policy, self.clock(), timed_out)
 

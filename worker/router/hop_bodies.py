@@ -9,6 +9,8 @@ from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.server.protocol import sse
 from disagg.worker.server.responses import body as body_of, delta_choice
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the OpenAI routes that run the hops
+
 HANDOFF_FIELD = "kv_transfer_params"  # the request's field that carries the hand-off
 
 

@@ -26,7 +26,6 @@ from fastapi import Request  # at module level: the routes' annotations are stri
 
 logger = logging.getLogger("disagg.worker.pd_proxy")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
               "host", "proxy-authorization", "proxy-connection"}
 
@@ -237,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         routing = build_routing(args, metrics_role=args.role, need_decode=False)
         # named as its pod (POD_NAME: the downward API, or disagg up's process name) in the per-endpoint metrics
         routing.state.decode.set_urls(args.decode, names={args.engine_url: os.environ.get("POD_NAME", "")})
+        routing.state.decode.judged_by_hops = False  # nowhere else to send its requests (EndpointPool)
         signer = signer_from_env()
     except (ValueError, OSError) as e:
         logger.error("%s", e)

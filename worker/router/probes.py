@@ -96,6 +96,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
         ready = r.status_code == 200
         ep.probe_answered()
         ep.refused_at = None
+        ep.failed_fast = False  # its probe's verdict from now on
     except httpx.TimeoutException:
         ep.probe_timed_out(sent_at)
         ready = ep.ready and not ep.unresponsive()
@@ -104,6 +105,7 @@ async def _probe(state: RouterState, ep: Endpoint, scrape: bool = True) -> None:
             logger.info("endpoint %s: probe failed: %s: %s", ep.url, type(e).__name__, e)
         ready = False
         ep.refused_at = time.monotonic()
+        ep.failed_fast = False
     if ready != ep.ready:
         logger.info("endpoint %s is %s", ep.url, "ready" if ready else "not ready")
     ep.ready = ready

@@ -246,6 +246,7 @@ def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str |
     args.endpoints_file, args.prefill_selector = endpoints_file, selector
     routing = build_routing(args, metrics_role=metrics_role, need_decode=False)
     routing.worker_api_key = worker_api_key or routing.worker_api_key
+    routing.state.decode.judged_by_hops = False  # its own engine: nowhere else to send (EndpointPool)
     return routing
 
 

@@ -164,6 +164,67 @@ async def test_every_decode_saturated_sheds_with_retry_after_and_costs_no_prefil
 
 
 @pytest.mark.asyncio
+async def test_a_request_shed_at_the_door_is_refused_before_its_body_is_read():
+    """Under a flood nearly every request is refused: at a saturated decode pool the 429 comes from the request's
+    headers alone (its body never read, not even waited for), and an authorised client's request id is kept."""
+    client, workers, state = router({P1: "ok"}, {D1: "429"}, queue_wait_s=0.05)
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 429  # D1 told it is full
+    app = client._transport.app  # noqa: SLF001 - the ASGI app under the client
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        raise AssertionError("the body was read")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json"), (b"content-length", b"999"),
+                                              (b"x-request-id", b"req-7")], "http_version": "1.1",
+             "scheme": "http", "server": ("router", 80), "client": ("127.0.0.1", 5), "root_path": ""}
+    await asyncio.wait_for(app(scope, receive, send), 2.0)
+    start, body = sent
+    headers = dict(start["headers"])
+    assert start["status"] == 429 and int(headers[b"retry-after"]) >= 1 and headers[b"x-request-id"] == b"req-7"
+    assert json.loads(body["body"])["error"]["type"] == "rate_limit_exceeded"
+    assert workers.seen.count(P1) == 1 and metric(state, "disagg:router_requests_total", outcome="shed") == 2
+    state.decode.endpoints[D1].saturated_until = 0.0  # room again: the next request is read and served
+    workers.behaviour[D1] = "ok"
+    r = await client.post("/v1/completions", json=BODY, headers={"x-request-id": "req-8"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+
+
+@pytest.mark.asyncio
+async def test_one_fast_failure_at_the_only_decode_refuses_no_later_request_while_its_probes_answer_late():
+    """The only decode answered one 500 and its probes time out (a busy engine answers them late): the next
+    requests still go to it (a pool with nothing ready routes to what only failed fast, as Envoy's panic
+    threshold does) instead of a 503 each until a probe answers. A decode side's own engine is never taken out
+    by its hops at all; a timed-out hop still takes an endpoint out."""
+    client, workers, state = router({}, {D1: "ok"})
+    d1 = state.decode.endpoints[D1]
+    answers = iter([httpx.Response(500, json={"error": {"message": "boom"}})])
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        workers.seen.append(D1)
+        return next(answers, None) or httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and not d1.ready  # the one that met the 500
+    d1.probe_timed_out(asyncio.get_running_loop().time())  # its probe runs late: no verdict
+    for _ in range(3):
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded", r.text
+    assert workers.seen.count(D1) == 4
+    state.decode.mark_failed(d1, timed_out=True)  # a hung worker is not panicked into
+    assert state.decode.available() == []
+    own = EndpointPool("decode", judged_by_hops=False)
+    own.set_urls([D2])
+    own.endpoints[D2].ready = True
+    assert own.mark_failed(own.endpoints[D2], timed_out=True) is None and own.available() == [own.endpoints[D2]]
+
+
+@pytest.mark.asyncio
 async def test_a_request_waiting_for_room_takes_the_room_a_finished_request_frees():
     client, workers, state = router({}, {D1: "ok"}, queue_wait_s=5.0)
     d1 = state.decode.endpoints[D1]
