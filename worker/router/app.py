@@ -80,12 +80,9 @@ class RefuseAtTheDoor:
         shed = await room_for(state, state.decode, Deadline(state.timeouts))
         if shed is None:
             return await self.app(scope, receive, send)
-        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"") or uuid.uuid4().hex.encode()
-        reply = shed_reply(shed, None)
-        await send({"type": "http.response.start", "status": 429, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(reply.content)).encode()),
-            (b"retry-after", str(shed.retry_after_s).encode()), (b"x-request-id", request_id)]})
-        await send({"type": "http.response.body", "body": reply.content})
+        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        # the same 429 the route would answer (a plain Response sends without reading the body)
+        await to_response(shed_reply(shed, {"X-Request-Id": request_id or uuid.uuid4().hex}))(scope, receive, send)
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:

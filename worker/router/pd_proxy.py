@@ -236,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
         routing = build_routing(args, metrics_role=args.role, need_decode=False)
         # named as its pod (POD_NAME: the downward API, or disagg up's process name) in the per-endpoint metrics
         routing.state.decode.set_urls(args.decode, names={args.engine_url: os.environ.get("POD_NAME", "")})
-        routing.state.decode.judged_by_hops = False  # nowhere else to send its requests (EndpointPool)
         signer = signer_from_env()
     except (ValueError, OSError) as e:
         logger.error("%s", e)

@@ -246,7 +246,6 @@ def prefill_routing(discovery: str, prefill: list[str], *, endpoints_file: str |
     args.endpoints_file, args.prefill_selector = endpoints_file, selector
     routing = build_routing(args, metrics_role=metrics_role, need_decode=False)
     routing.worker_api_key = worker_api_key or routing.worker_api_key
-    routing.state.decode.judged_by_hops = False  # its own engine: nowhere else to send (EndpointPool)
     return routing
 
 
@@ -294,7 +293,9 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
         from disagg.worker.router.prefix_router import PrefixRouter
 
         prefix = PrefixRouter(policy, metrics, Tokenizer(args.tokenizer) if args.tokenizer else None)
-    prefill, decode = (EndpointPool(role, policy, outlier_policy=ejection, unresponsive_after_s=args.unresponsive_after)
+    # a decode side's decode "pool" is its own engine: nowhere else to send, so no hop takes it out (EndpointPool)
+    prefill, decode = (EndpointPool(role, policy, outlier_policy=ejection, unresponsive_after_s=args.unresponsive_after,
+                                    judged_by_hops=need_decode or role == "prefill")
                        for role in ("prefill", "decode"))
     prefill.set_urls(args.prefill)
     decode.set_urls(args.decode)
