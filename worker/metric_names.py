@@ -28,6 +28,7 @@ NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"  # histogram, per transfer
 NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"  # counter
 NIXL_EXPIRED_REQS = "vllm:nixl_num_kv_expired_reqs"  # counter: requests whose KV expired unread (lease)
 KV_NOTIFICATIONS_REJECTED = "disagg:kv_notifications_rejected"  # counter, prefill: not from the KV's reader
+KV_RELEASED_UNREAD = "disagg:kv_released_unread"  # counter, prefill: sends freed by a release call (none will pull)
 # exported by vLLM's decode workers only (engine vllm): requests by async KV load stage
 VLLM_KV_FETCH_BY_STAGE = "vllm:num_requests_kv_fetch_by_stage"  # gauge, label `stage`
 

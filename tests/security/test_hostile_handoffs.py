@@ -133,6 +133,36 @@ def test_the_side_channel_gives_metadata_only_for_a_token_of_the_key(fleet, sign
                     ).status_code == 200
 
 
+def release(prefill: str, params: dict) -> httpx.Response:
+    return httpx.post(f"{prefill}/v1/kv/release", json={"kv_transfer_params": params}, timeout=30)
+
+
+def test_only_a_hand_off_signed_for_its_kv_releases_it_and_only_once(fleet, signer):
+    """The router's release call (a hand-off no decode took) frees the prefill's blocks now; a forged or tampered
+    one frees nothing, and a second one finds nothing to free."""
+    prefill = fleet["prefill"]
+    released = metric(prefill, "disagg:kv_released_unread_total")
+    params = kv_params(prefill, prompt(5))
+    assert metric(prefill, "disagg:kv_pending_sends") == 1
+    for forged in ({**params, "remote_block_ids": [0]},  # another request's blocks under this signature
+                   Handoff.parse(params).to_wire() | {"disagg_signature": None},
+                   HandoffSigner(b"z" * 32, "team-a/llama").sign(Handoff.parse(params)).to_wire()):
+        r = release(prefill, forged)
+        assert r.status_code == 403 and r.json()["error"]["param"] == "kv_transfer_params.disagg_signature", r.text
+    assert release(prefill, {"remote_engine_id": "x"}).status_code == 400
+    assert metric(prefill, "disagg:kv_pending_sends") == 1  # nothing freed by those
+    r = release(prefill, params)
+    assert r.status_code == 200 and r.json() == {"released": True, "request_id": params["remote_request_id"]}
+    deadline = time.monotonic() + 5  # (the lease is 20 s)
+    while metric(prefill, "disagg:kv_pending_sends") != 0:
+        assert time.monotonic() < deadline, "the released KV is still pending"
+        time.sleep(0.05)
+    assert metric(prefill, "disagg:kv_released_unread_total") == released + 1
+    again = release(prefill, params)
+    assert again.status_code in (403, 404), again.text  # a replay of the signature, or nothing left to free
+    assert httpx.get(f"{prefill}/health").status_code == 200
+
+
 def test_a_notification_from_a_stranger_agent_is_ignored_and_the_kv_stays_for_its_reader(fleet, signer):
     from security_helpers import StrangerAgent
 

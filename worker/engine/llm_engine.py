@@ -94,6 +94,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(self._parents.children_of(request_id), RequestStatus.FINISHED_ABORTED)
 
+    def release_kv(self, request_id: str) -> bool:
+        """Free the KV a finished prefill keeps for a reader who will not come (`request_id`: the hand-off's
+        remote request id); False when none of that request waits here."""
+        return self.scheduler_connector is not None and self.scheduler_connector.release(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -201,3 +201,9 @@ class KVConnectorBase(ABC):
     def get_pending_counts(self) -> dict[str, int]:
         """Gauges for metrics: {"pending_sends": n, "pending_loads": n}."""
         return {"pending_sends": 0, "pending_loads": 0}
+
+    def release(self, request_id: str) -> bool:
+        """Nobody will pull this finished request's KV (its decode hop was refused): free its blocks at the next
+        step instead of at the lease end. False when no KV of that request waits here (pulled already, expired,
+        unknown, or a connector that keeps no blocks for readers)."""
+        return False

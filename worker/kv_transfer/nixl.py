@@ -142,6 +142,9 @@ class NixlConnector(KVConnectorBase):
     def get_pending_counts(self) -> dict[str, int]:
         return self._scheduler_side().get_pending_counts()
 
+    def release(self, request_id: str) -> bool:
+        return self._scheduler_side().release(request_id)
+
     # ---------------- both
     def shutdown(self) -> None:
         (self._scheduler or self._worker).shutdown()

@@ -66,6 +66,7 @@ class LoadSpec:
 class NixlConnectorMetadata:
     loads: list[LoadSpec] = field(default_factory=list)  # reads to start this step
     sends: dict[str, float] = field(default_factory=dict)  # req_id -> lease deadline (monotonic s)
+    releases: list[str] = field(default_factory=list)  # sends nobody will pull: free now (after this step's sends)
 
 
 def lease_over(expires: float | None, margin: float) -> bool:

@@ -26,6 +26,8 @@ NIXL_METRICS = (
                     "num_failed_transfers"),
     ConnectorMetric(names.NIXL_EXPIRED_REQS, "counter", "Requests whose KV blocks expired unread (lease).",
                     "num_kv_expired_reqs"),
+    ConnectorMetric(names.KV_RELEASED_UNREAD, "counter", "Requests whose KV blocks were freed unread because "
+                    "the router said no decode will pull them (its decode hop was refused).", "num_kv_released_reqs"),
     ConnectorMetric(names.KV_NOTIFICATIONS_REJECTED, "counter", "KV notifications ignored: not signed for the "
                     "NIXL agent that sent them (a stranger, or another reader's token).",
                     "num_notifications_rejected"),

@@ -40,6 +40,7 @@ class NixlConnectorScheduler:
         self._executor: ThreadPoolExecutor | None = None
         self._pending_loads: list[LoadSpec] = []  # for the next step's metadata
         self._new_sends: dict[str, float] = {}  # req_id -> lease deadline, for the next step's metadata
+        self._releases: list[str] = []  # sends nobody will pull, freed by the worker side at the next step
         self._loading: dict[str, SideChannel] = {}  # req_id -> side channel of its prefill engine
         self._sending: set[str] = set()  # finished here, blocks held for a remote reader
         self._consumed: set[str] = set()  # requests whose remote prefill was handled (or given up)
@@ -149,8 +150,8 @@ class NixlConnectorScheduler:
 
     # -------- every step
     def build_connector_meta(self) -> NixlConnectorMetadata:
-        meta = NixlConnectorMetadata(self._pending_loads, self._new_sends)
-        self._pending_loads, self._new_sends = [], {}
+        meta = NixlConnectorMetadata(self._pending_loads, self._new_sends, self._releases)
+        self._pending_loads, self._new_sends, self._releases = [], {}, []
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -176,6 +177,15 @@ class NixlConnectorScheduler:
         remote = RemoteKV(s.engine_id, tuple(block_ids[:n]), s.advertise_host, s.port, request.request_id,
                           time.time() + s.lease_seconds)
         return True, Handoff(do_remote_decode=False, do_remote_prefill=True, remote=remote, extra={"tp_size": 1})
+
+    def release(self, request_id: str) -> bool:
+        """A send nobody will pull: the worker side ends it as a reader's notification would (the scheduler
+        then frees its blocks). Only while it is pending: one pulled or expired already is left alone."""
+        if request_id not in self._sending:
+            return False
+        self._sending.discard(request_id)
+        self._releases.append(request_id)
+        return True
 
     def get_pending_counts(self) -> dict[str, int]:
         return {"pending_sends": len(self._sending), "pending_loads": len(self._loading)}

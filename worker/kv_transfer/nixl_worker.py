@@ -54,6 +54,7 @@ class NixlConnectorWorker:
         self._new_errors: set[int] = set()
         self._new_sending: set[str] = set()
         self._num_expired = 0  # leases that ran out since the last stats
+        self._num_released = 0  # sends released unread (release()) since the last stats
         self._num_rejected_notifs = 0  # notifications ignored since the last stats (not from the KV's reader)
         self._inbox: queue.SimpleQueue[NixlConnectorMetadata] = queue.SimpleQueue()  # engine -> progress thread
         self._lock = threading.Lock()  # guards the four results below (progress thread -> engine)
@@ -73,7 +74,7 @@ class NixlConnectorWorker:
 
     # -------- engine thread
     def start_load_kv(self, meta: NixlConnectorMetadata) -> None:
-        if meta.loads or meta.sends:
+        if meta.loads or meta.sends or meta.releases:
             self._inbox.put(meta)
             self._progress_thread.wake()
 
@@ -137,6 +138,10 @@ class NixlConnectorWorker:
                 self._new_sending.add(req_id)
             else:
                 self._sends[req_id] = deadline
+        for req_id in meta.releases:  # nobody will pull these (their decode hop was refused): freed now
+            if self._sends.pop(req_id, None) is not None:
+                self._new_sending.add(req_id)
+                self._num_released += 1
         for load in meta.loads:
             self._start_read(load)
 
@@ -215,9 +220,10 @@ class NixlConnectorWorker:
     def _drain_stats(self) -> dict[str, Any] | None:
         stats = self.transport.drain_stats()
         stats["num_kv_expired_reqs"], self._num_expired = self._num_expired, 0
+        stats["num_kv_released_reqs"], self._num_released = self._num_released, 0
         stats["num_notifications_rejected"], self._num_rejected_notifs = self._num_rejected_notifs, 0
         if not stats["bytes"] and not any(stats[k] for k in ("num_failed_transfers", "num_kv_expired_reqs",
-                                                              "num_notifications_rejected")):
+                                                              "num_kv_released_reqs", "num_notifications_rejected")):
             return None
         return stats
 

@@ -8,6 +8,10 @@ hand-off, so it measures them for any engine:
     unread KV then; a hand-off without a lease is given DEFAULT_LEASE_S);
   - a pending load: a decode hop carrying a hand-off, sent and not answered yet (its first byte);
   - hand-off -> first decode token: from the prefill's answer to that first byte.
+A hand-off that no decode took (every decode hop refused it before its engine saw it, or none was tried) is
+`unread` once its request is over: the router asks its prefill to free the KV now (hops.release_unread) rather
+than at the lease end. One that a decode hop carried and lost (a timeout, a reset, a 5xx: that decode may be
+reading it) is never released early.
 Per endpoint: the count and the age of the oldest (metrics.py exports them with the endpoint's pod name).
 Pure bookkeeping with an injected clock; the hops (hops.py) report to it.
 """
@@ -26,6 +30,7 @@ class Ticket:
     prefill_url: str
     handed_at: float  # monotonic: when the prefill's answer came
     expires_at: float  # monotonic: its lease end
+    maybe_read: bool = False  # a decode hop that carried it failed without saying it refused it
 
 
 @dataclass
@@ -34,6 +39,7 @@ class HandoffLedger:
     wall: Callable[[], float] = time.time
     sends: dict[str, Ticket] = field(default_factory=dict)  # ticket id -> the hand-off, while pending
     loads: dict[str, tuple[str, float]] = field(default_factory=dict)  # ticket id -> (decode url, sent at)
+    cannot_release: set[str] = field(default_factory=set)  # prefill urls without a release call (vLLM: 501)
 
     def handed_off(self, ticket: str, prefill_url: str, lease_expires_at: float | None) -> None:
         now = self.clock()
@@ -43,9 +49,27 @@ class HandoffLedger:
     def decode_sent(self, ticket: str, decode_url: str) -> None:
         self.loads[ticket] = (decode_url, self.clock())
 
-    def decode_failed(self, ticket: str) -> None:
-        """The hop failed before its first byte: no longer loading there (the KV may go to another decode)."""
+    def decode_failed(self, ticket: str, maybe_read: bool = False) -> None:
+        """The hop failed before its first byte: no longer loading there (the KV may go to another decode).
+        maybe_read: the decode did not say it refused the hand-off (a timeout, a reset, a 5xx)."""
         self.loads.pop(ticket, None)
+        if maybe_read and (send := self.sends.get(ticket)) is not None:
+            send.maybe_read = True
+
+    def unread(self, ticket: str) -> Ticket | None:
+        """The hand-off, when its request is over and no decode may read its KV: none holds it now and every
+        one that did refused it. None otherwise (consumed, past its lease, or maybe being read); a hop still
+        open with it (its request was cancelled) is closed as one that may have read it."""
+        if ticket in self.loads:
+            self.decode_failed(ticket, maybe_read=True)
+        send = self.sends.get(ticket)
+        if send is None or send.maybe_read or send.expires_at <= self.clock():
+            return None
+        return send
+
+    def released(self, ticket: str) -> None:
+        """Its prefill freed the KV (release call answered)."""
+        self.sends.pop(ticket, None)
 
     def decode_answered(self, ticket: str) -> float | None:
         """The decode's first byte came: the KV was consumed. Seconds from the hand-off, when it was pending."""

@@ -12,6 +12,8 @@ from disagg.worker.server.responses import body as body_of, delta_choice
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the OpenAI routes that run the hops
 
 HANDOFF_FIELD = "kv_transfer_params"  # the request's field that carries the hand-off
+# a prefill worker's call to free a hand-off's KV that no decode will read (body: {HANDOFF_FIELD: hand-off})
+RELEASE_PATH = "/v1/kv/release"
 
 
 def check_max_tokens(body: dict[str, Any]) -> str | None:

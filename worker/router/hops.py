@@ -16,12 +16,17 @@ prefill), and when every prefill endpoint is (computing the prompt at a decode w
 overload to the decode pool and slow every stream running there). A full hop connection pool is a 503 with
 Retry-After, and no verdict on any worker either.
 
+A hand-off no decode took (every decode hop refused it, or the request was shed after its prefill) is released
+at its prefill when the request is over (release_unread: POST RELEASE_PATH), so a flood of refusals does not
+keep prefill KV blocks until their lease end.
+
 Framework-free: `serve` takes a parsed body and the policy's plan and returns a Reply, so the router's HTTP app
 (app.py), a decode-side hop (the pools hold the prefill endpoints it may use and itself; the plan's costs put the
 named prefill first) and `prefill_hop` alone (a decode worker that prefills remotely, then decodes itself) share it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -34,7 +39,7 @@ import httpx
 
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
 from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
-from disagg.worker.router.hop_bodies import (HANDOFF_FIELD, decode_bodies, early_first_chunk, needs_prompt_logits,
+from disagg.worker.router.hop_bodies import (HANDOFF_FIELD, RELEASE_PATH, decode_bodies, early_first_chunk, needs_prompt_logits,
                                             prefill_body)
 from disagg.worker.router.policy import RoutePlan
 from disagg.worker.router.relay import DecodeStream, relay
@@ -44,6 +49,9 @@ from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline, HopTimeout, within
 
 logger = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 5.0  # a release call's bound (the lease frees the KV anyway when it fails)
+_releases: set[asyncio.Task] = set()  # release calls in flight (a reference keeps each task alive)
 
 
 @dataclass
@@ -82,8 +90,11 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
         return _continue_after_first_chunk(state, plan, path, body, outcome, first_chunk, headers, deadline,
                                            revisions)
     d_body, alone = decode_bodies(body, outcome.handoff)
-    opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
-                               revisions, ticket=outcome.ticket)
+    try:
+        opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
+                                   revisions, ticket=outcome.ticket)
+    finally:  # no decode took the hand-off (shed, refused, failed, the client left): free its KV now
+        release_unread(state, outcome.ticket, outcome.handoff, headers)
     if isinstance(opened, Reply):
         return opened
     return Reply(200, stream=relay(state, opened, deadline), headers=headers)
@@ -171,9 +182,12 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
 
     async def chunks() -> AsyncIterator[bytes]:
         yield first_chunk
-        came, opened = await state.drain.unless_stopping(open_decode(
-            state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
-            ticket=outcome.ticket, committed=True))
+        try:
+            came, opened = await state.drain.unless_stopping(open_decode(
+                state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
+                ticket=outcome.ticket, committed=True))
+        finally:
+            release_unread(state, outcome.ticket, outcome.handoff, headers)
         if not came:  # the router's drain timeout ran out
             yield sse_error(STOPPING_MESSAGE, 503, "service_unavailable")
             return
@@ -263,7 +277,7 @@ async def open_decode(state: RouterState, plan: RoutePlan, path: str, d_body: di
             return busy_reply(state, headers)
         except (HopTimeout, httpx.HTTPError, StopAsyncIteration) as e:
             failed.add(ep.url)
-            settle_handoff(state, carried, consumed=False)
+            settle_handoff(state, carried, consumed=False, maybe_read=True)  # it may be reading the KV
             if isinstance(e, HopTimeout):
                 state.hop_timed_out(state.decode, ep, "decode", start, e)
                 timed_out = f"{ep.url}: {e}"
@@ -295,15 +309,52 @@ def refused_handoff(content: bytes) -> bool:
     return isinstance(param, str) and param.startswith(f"{HANDOFF_FIELD}.")
 
 
-def settle_handoff(state: RouterState, ticket: str | None, consumed: bool) -> None:
+def settle_handoff(state: RouterState, ticket: str | None, consumed: bool, maybe_read: bool = False) -> None:
     """The decode hop that carried a hand-off answered (its first byte: the KV was consumed) or failed; also a
-    decode worker's own prefill hop once its engine admitted the request (server/pd_hop.py)."""
+    decode worker's own prefill hop once its engine admitted the request (server/pd_hop.py). `maybe_read`: a
+    failed hop that did not say it refused the hand-off (its KV is then never released early)."""
     if ticket is None:
         return
     if not consumed:
-        state.handoffs.decode_failed(ticket)
+        state.handoffs.decode_failed(ticket, maybe_read)
     elif (seconds := state.handoffs.decode_answered(ticket)) is not None:
         state.metrics.handoff_consumed(seconds)
+
+
+def release_unread(state: RouterState, ticket: str | None, handoff: Handoff | None, headers: dict[str, str]
+                   ) -> None:
+    """The request is over: when no decode may read its hand-off's KV (handoffs.HandoffLedger.unread), ask the
+    prefill that keeps it to free it now, in the background. A prefill that cannot (vLLM's pd-proxy: 501) is
+    not asked again; its KV goes at the lease end."""
+    if ticket is None or handoff is None or state.client is None:
+        return
+    send = state.handoffs.unread(ticket)
+    if send is None or send.prefill_url in state.handoffs.cannot_release:
+        return
+    auth = {k: v for k, v in headers.items() if k.lower() in ("authorization", "x-request-id")}
+    task = asyncio.get_running_loop().create_task(_release(state, ticket, send.prefill_url, handoff, auth))
+    _releases.add(task)
+    task.add_done_callback(_releases.discard)
+
+
+async def _release(state: RouterState, ticket: str, url: str, handoff: Handoff, headers: dict[str, str]) -> None:
+    try:
+        r = await state.client.post(url + RELEASE_PATH, json={HANDOFF_FIELD: handoff.to_wire()}, headers=headers,
+                                    timeout=RELEASE_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        logger.info("request %s: releasing its unread KV at %s failed (%s: %s); it goes at the lease end",
+                    headers.get("X-Request-Id"), url, type(e).__name__, e)
+        return
+    if r.status_code in (200, 404):  # freed now, or no longer kept there (pulled, expired)
+        state.handoffs.released(ticket)
+        state.metrics.kv_released(r.status_code == 200)
+    elif r.status_code == 501:
+        state.handoffs.cannot_release.add(url)
+        logger.info("prefill %s cannot release KV early (%s); its unread KV goes at the lease end", url,
+                    r.text[:200])
+    else:
+        logger.info("request %s: prefill %s refused to release its unread KV: HTTP %d %s",
+                    headers.get("X-Request-Id"), url, r.status_code, r.text[:200])
 
 
 def _no_decode_answer(state: RouterState, tried: set[str], timed_out: str | None, deadline: Deadline) -> Reply:

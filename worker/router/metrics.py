@@ -39,6 +39,8 @@ KV_PENDING_LOADS = "disagg:router_kv_pending_loads"
 KV_OLDEST_SEND_AGE = "disagg:router_kv_oldest_pending_send_seconds"
 KV_OLDEST_LOAD_AGE = "disagg:router_kv_oldest_pending_load_seconds"
 HANDOFF_TO_FIRST_TOKEN = "disagg:router_handoff_to_first_token_seconds"
+# counter, label `outcome` (freed: the prefill freed it now; gone: no longer kept there): hand-offs no decode took
+KV_RELEASES = "disagg:router_kv_releases"
 # requests held while no decode endpoint is ready (hold.py): the autoscaler's signal to scale from zero
 HELD_REQUESTS = "disagg:router_held_requests"
 COLD_START = "disagg:router_cold_start_seconds"
@@ -72,6 +74,9 @@ class RouterMetrics:
                                        labels, registry=r)
         self.task_restarts = Counter(TASK_RESTARTS, "Background tasks (probes, discovery, KV events) that died and "
                                      "were restarted, per task.", (*LABELS, "task"), registry=r)
+        self.kv_releases = Counter(KV_RELEASES, "Hand-offs no decode took whose prefill was asked to free the KV "
+                                   "early, by outcome: freed, or gone (pulled or expired already).",
+                                   (*LABELS, "outcome"), registry=r)
         self.decode_alone = Counter(DECODE_ALONE, "Client requests the decode worker computed alone: prefill "
                                     "endpoints are configured but none gave KV.", LABELS, registry=r)
         self.hop_timeouts = Counter(HOP_TIMEOUTS, "Hops that ran past a bound, per hop and stage (connect, "
@@ -159,6 +164,9 @@ class RouterMetrics:
 
     def early_first_token(self) -> None:
         self.early_first_tokens.labels(self.model_name, self.role).inc()
+
+    def kv_released(self, freed: bool) -> None:
+        self.kv_releases.labels(self.model_name, self.role, "freed" if freed else "gone").inc()
 
     def fell_back_to_decode_alone(self) -> None:
         self.decode_alone.labels(self.model_name, self.role).inc()

@@ -56,6 +56,7 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from disagg.worker.router.app import to_response
+    from disagg.worker.router.hop_bodies import RELEASE_PATH
 
     app = FastAPI(title="disagg pd-proxy", docs_url=None, redoc_url=None)
     app.state.server = None  # the GracefulServer (its `draining` flag), set by run()
@@ -96,6 +97,15 @@ def build_app(state: Any, engine_url: str, role: str, signer: Any, lease_s: floa
     async def chat(request: Request) -> Response:
         return to_response(await generate(state, request, "/v1/chat/completions", engine_url, role, signer,
                                           lease_s))
+
+    @app.post(RELEASE_PATH)
+    async def release_kv() -> Response:
+        """vLLM has no call to free a finished prefill's KV before its lease ends (kv_lease_duration): the
+        router's release is answered 501, and it does not ask this endpoint again."""
+        from disagg.worker.router.replies import error_reply
+
+        return to_response(error_reply(501, "this engine (vLLM) cannot free unread KV before its lease ends",
+                                        "not_implemented"))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def passthrough(path: str, request: Request) -> Response:

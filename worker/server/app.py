@@ -20,7 +20,8 @@ from disagg.worker.server.metrics import CONTENT_TYPE_LATEST
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.generation import Job, complete, observe, stream
 from disagg.worker.router.decode_side import PREFILL_HEADER
-from disagg.worker.router.hops import settle_handoff
+from disagg.worker.router.hop_bodies import RELEASE_PATH
+from disagg.worker.router.hops import release_unread, settle_handoff
 from disagg.worker.server.pd_hop import merged_metrics, prefill_remotely
 from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.server.protocol import (
@@ -130,7 +131,46 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(state, request, "chat")
 
+    @app.post(RELEASE_PATH)
+    async def release_kv(request: Request) -> Response:
+        try:
+            return JSONResponse(await _release_kv(state, await request.body()))
+        except APIError as e:
+            return error_response(e)
+
     return app
+
+
+async def _release_kv(state: ServerState, raw: bytes) -> dict[str, Any]:
+    """Free the KV this prefill keeps for a hand-off no decode will read (the router's call when every decode
+    refused it): body {"kv_transfer_params": the hand-off this worker answered with}. With a hand-off key only
+    a hand-off this resource signed, within its lease, is honoured (403 otherwise); 404 when its KV does not wait
+    here (pulled, expired, another engine's)."""
+    import json
+
+    loop_ = state.engine_loop
+    if not loop_.ready:
+        raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict) or body.get("kv_transfer_params") is None:
+        raise APIError(400, "the body must be a JSON object with the hand-off to release in kv_transfer_params",
+                       param="kv_transfer_params")
+    ktc = loop_.engine.config.kv_transfer_config
+    handoff = check_kv_transfer_params(body["kv_transfer_params"], ktc.kv_connector)
+    remote = handoff.remote
+    if remote is None:
+        raise APIError(400, "kv_transfer_params names no remote KV (remote_engine_id, remote_block_ids, ...)",
+                       param="kv_transfer_params")
+    if state.signer is not None:
+        check_signature(state.signer, handoff)
+    if remote.engine_id != ktc.engine_id or not await loop_.release_kv(remote.request_id):
+        raise APIError(404, f"no KV of request {remote.request_id!r} waits here to be pulled (read already, past "
+                       "its lease, or kept by another engine)", "NotFoundError")
+    logger.info("released the unread KV of request %s (no decode will pull it)", remote.request_id)
+    return {"released": True, "request_id": remote.request_id}
 
 
 async def _generate(state: ServerState, request: Request, kind: Kind) -> Response:
@@ -166,6 +206,8 @@ async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, 
     except APIError as e:
         if e.status >= 500:
             logger.warning("rejected a request: %s", e.message)
+        if ticket is not None:  # this engine never took the hand-off: its prefill frees the KV now
+            release_unread(state.pd, ticket, _handoff_in(raw), {"X-Request-Id": request_id})
         if first_chunk is not None:  # the 200 and the first token are on their way: end it with the error
             return StreamingResponse(iter([first_chunk, sse(e.body()), sse("[DONE]")]),
                                      media_type="text/event-stream", headers={"X-Request-Id": request_id})
@@ -188,6 +230,15 @@ async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, 
         return StreamingResponse(stream(state.engine_loop, job, first), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.request_id})
     return await complete(state.engine_loop, request, job)
+
+
+def _handoff_in(raw: bytes) -> Any:
+    """The hand-off prefill_remotely put into the request's body."""
+    import json
+
+    from disagg.worker.kv_transfer.handoff import Handoff
+
+    return Handoff.parse(json.loads(raw)["kv_transfer_params"])
 
 
 def _reserve(state: ServerState) -> None:

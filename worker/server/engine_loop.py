@@ -5,7 +5,7 @@ The engine is synchronous and not thread-safe, so only this thread touches it: i
 queue with loop.call_soon_threadsafe. It keeps stepping while KV transfers are pending (empty steps
 surface finished transfers; LLMEngine.step_or_wait holds the idle wait between them) and blocks on the
 command queue only when there is nothing at all to do. It uses the engine only through its loop API:
-add_request, abort_request, has_unfinished_requests, has_pending_kv_work, step_or_wait, metrics_snapshot,
+add_request, abort_request, release_kv, has_unfinished_requests, has_pending_kv_work, step_or_wait, metrics_snapshot,
 queue_load, take_kv_connector_stats, take_kv_events, shutdown.
 
 With admission limits (server/admission.py) a request is queued only while the waiting queue has room: the
@@ -52,6 +52,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _ReleaseKV:
+    request_id: str  # the hand-off's remote request id
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class EngineLoop:
@@ -121,6 +127,14 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def release_kv(self, request_id: str) -> bool:
+        """Free the KV this (prefill) engine keeps for request_id's reader; False when none waits here."""
+        if not self.ready:
+            raise RuntimeError(self.dead or "engine is not loaded")
+        cmd = _ReleaseKV(request_id)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
     async def stream(self, sink: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         while True:
             out = await sink.get()
@@ -179,7 +193,13 @@ class EngineLoop:
                 return
             self._handle(engine, cmd)
 
-    def _handle(self, engine: Any, cmd: _Add | _Abort) -> None:
+    def _handle(self, engine: Any, cmd: _Add | _Abort | _ReleaseKV) -> None:
+        if isinstance(cmd, _ReleaseKV):
+            try:
+                cmd.done.set_result(engine.release_kv(cmd.request_id))
+            except Exception as e:  # noqa: BLE001 - the caller answers 500; the engine goes on
+                cmd.done.set_exception(e)
+            return
         if isinstance(cmd, _Abort):
             if self._sinks.pop(cmd.request_id, None) is not None:  # nobody listens any more
                 engine.abort_request(cmd.request_id)

@@ -13,7 +13,7 @@ import pytest
 from disagg.worker.kv_transfer.handoff import Handoff
 from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
-from disagg.worker.router.hop_bodies import early_first_chunk
+from disagg.worker.router.hop_bodies import RELEASE_PATH, early_first_chunk
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.state import RouterState
 
@@ -47,10 +47,14 @@ class Workers:
         self.decode_mode, self.chat, self.kv = decode_mode, chat, kv
         self.gate = asyncio.Event()
         self.seen: list[tuple[str, dict]] = []
+        self.released: list[tuple[str, dict]] = []  # the router's release calls for KV no decode took
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         body = json.loads(request.content)
+        if request.url.path == RELEASE_PATH:
+            self.released.append((base, body))
+            return httpx.Response(200, json={"released": True})
         self.seen.append((base, body))
         if base == P1:
             return httpx.Response(200, json=prefill_answer(self.chat, self.kv))
@@ -212,6 +216,12 @@ async def test_decoding_alone_on_another_revision_still_continues_after_the_deli
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True})
     assert r.status_code == 200
     assert workers.seen[-1][1]["kv_transfer_params"] == {"delivered_token_ids": [42]}  # no KV across revisions
+    for _ in range(100):  # the release goes out in the background once the request is over
+        if workers.released:
+            break
+        await asyncio.sleep(0.01)
+    # nobody will read the prefill's KV: its prefill is asked to free it now, with the hand-off it gave
+    assert [(url, body["kv_transfer_params"]["remote_block_ids"]) for url, body in workers.released] == [(P1, [1])]
 
 
 def test_the_first_chunk_needs_the_prefills_text():

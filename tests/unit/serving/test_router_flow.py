@@ -2,6 +2,7 @@
 retries, decode-alone fallback, 503 without decode, 4xx pass-through, a decode stream broken midway."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 
 from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.hop_bodies import RELEASE_PATH
 from disagg.worker.router.metrics import RouterMetrics
 from disagg.worker.router.state import RouterState
 
@@ -34,10 +36,14 @@ class Workers:
     def __init__(self, behaviour: dict[str, str]):
         self.behaviour = behaviour
         self.seen: list[tuple[str, dict, str]] = []  # (url, body, x-request-id)
+        self.released: list[tuple[str, dict]] = []  # the router's release calls: (prefill url, hand-off)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         body = json.loads(request.content)
+        if request.url.path == RELEASE_PATH:
+            self.released.append((base, body["kv_transfer_params"]))
+            return httpx.Response(200, json={"released": True})
         self.seen.append((base, body, request.headers.get("x-request-id")))
         mode = self.behaviour[base]
         if mode == "down":
@@ -154,6 +160,8 @@ async def test_a_hand_off_the_decode_refuses_is_decoded_alone_not_a_403_to_the_c
     assert workers.seen[1][1]["kv_transfer_params"] == KV and "kv_transfer_params" not in workers.seen[2][1]
     assert 'disagg:router_decode_alone_total{model_name="m",role="router"} 1.0' in state.metrics.render().decode()
     assert state.decode.endpoints[D1].outstanding == 0 and state.decode.endpoints[D1].ready
+    await asyncio.sleep(0.05)  # the release goes out in the background
+    assert workers.released == [(P1, KV)], "the refused hand-off's KV is freed at its prefill, not at the lease"
 
 
 @pytest.mark.asyncio
@@ -162,6 +170,8 @@ async def test_a_decode_4xx_about_the_request_is_passed_back_once():
     r = await client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 400 and [u for u, _, _ in workers.seen] == [P1, D1]
     assert "disagg:router_decode_alone_total{" not in state.metrics.render().decode()
+    await asyncio.sleep(0.05)
+    assert workers.released == [(P1, KV)]  # the decode refused the request, so nobody reads its KV
 
 
 @pytest.mark.asyncio

@@ -15,6 +15,7 @@ from scripted_router import scripted_router
 
 from disagg.worker.router.app import answered, route
 from disagg.worker.router.endpoints import EndpointPool
+from disagg.worker.router.hop_bodies import RELEASE_PATH
 from disagg.worker.router.probes import probe_once
 from disagg.worker.router.replies import Reply
 from disagg.worker.router.state import RouterState
@@ -56,9 +57,13 @@ class Workers:
     def __init__(self, behaviour: dict[str, str]):
         self.behaviour = behaviour
         self.seen: list[str] = []
+        self.released: list[str] = []  # the router's release calls (KV no decode took), by prefill
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == RELEASE_PATH:
+            self.released.append(base)
+            return httpx.Response(200, json={"released": True})
         self.seen.append(base)
         mode = self.behaviour[base]
         if mode == "pool":
@@ -312,11 +317,15 @@ async def test_after_a_decode_429_the_door_admits_no_more_than_the_decode_held_a
     next is served."""
     client, _, state = router({P1: "ok"}, {D1: "ok"}, queue_wait_s=0.3)
     asked: list[str] = []
+    released: list[str] = []
     held = asyncio.Event()
     holding = 2
 
     async def worker(request: httpx.Request) -> httpx.Response:
         nonlocal holding
+        if request.url.path == RELEASE_PATH:
+            released.append(request.url.host)
+            return httpx.Response(200, json={"released": True})
         asked.append(request.url.host)
         if request.url.host == "p1":
             return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
@@ -334,6 +343,8 @@ async def test_after_a_decode_429_the_door_admits_no_more_than_the_decode_held_a
         await asyncio.sleep(0.01)
     r = await client.post("/v1/completions", json=BODY)  # refused by the decode after its prefill
     assert r.status_code == 429 and asked.count("p1") == 3
+    await asyncio.sleep(0.05)  # (the release goes out in the background)
+    assert released == ["p1"], "the KV of the hand-off the decode refused is freed at its prefill now"
     await asyncio.sleep(1.1)  # the decode's Retry-After ran out; it still holds the two
     assert not state.decode.saturated_only() and state.decode.door_full()
     r = await client.post("/v1/completions", json=BODY)

@@ -23,7 +23,7 @@ NOT_OURS = {metric_names.VLLM_KV_FETCH_BY_STAGE}  # vLLM's decode workers export
 def test_every_declared_worker_metric_name_is_exported_with_model_and_role_labels():
     text = WorkerMetrics("m", "decode").render().decode()
     names = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)} - NOT_OURS
-    assert len(names) == 25
+    assert len(names) == 26
     for name in names:
         assert f'# HELP {name}' in text, name
         assert any(line.startswith(name) and 'model_name="m"' in line and 'role="decode"' in line
