@@ -66,3 +66,28 @@ def test_the_gauges_name_every_endpoint_with_its_pod_and_read_zero_when_idle():
             '"x-decode-a",model_name="m",role="router"} 4.0') in page
     assert "disagg:router_kv_pending_loads{" in page and 'endpoint="http://10.0.0.1:8000"' not in \
         [line for line in page.splitlines() if line.startswith("disagg:router_kv_pending_loads{")][0]
+
+
+def test_only_a_hand_off_every_decode_refused_is_released_early():
+    """The router frees a hand-off's KV before its lease only when no decode may be reading it: never sent, or
+    refused by every decode it went to. One whose hop timed out or broke (or is still open: the client left) may
+    be read at that decode, and waits for its lease."""
+    clock = Clock()
+    book = ledger(clock)
+    for t in ("never-sent", "refused", "timed-out", "left", "consumed", "expired"):
+        book.handed_off(t, "http://p1", lease_expires_at=1_000.0 + 130.0)
+    book.decode_sent("refused", "http://d1")
+    book.decode_failed("refused")  # a 429, or a 4xx naming the hand-off
+    book.decode_sent("timed-out", "http://d1")
+    book.decode_failed("timed-out", maybe_read=True)
+    book.decode_sent("left", "http://d1")  # the request was cancelled with its hop open
+    book.decode_sent("consumed", "http://d1")
+    book.decode_answered("consumed")
+    assert book.unread("never-sent").prefill_url == "http://p1"
+    assert book.unread("refused") is not None
+    assert book.unread("timed-out") is None and book.unread("consumed") is None
+    assert book.unread("left") is None and book.pending()[1] == {}  # its load no longer counted either
+    book.released("refused")
+    assert book.unread("refused") is None and "refused" not in book.sends
+    clock.now += 31
+    assert book.unread("expired") is None  # its prefill freed it at the lease end
