@@ -81,3 +81,12 @@ async def test_once_ready_says_the_engine_is_up_the_proxy_serves_with_it():
     assert (await client.get("/ready")).status_code == 200
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
     assert r.status_code == 200 and seen == [ENGINE], r.text
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_says_its_engine_cannot_release_kv_rather_than_passing_the_call_on():
+    """vLLM has no call that frees unread KV before its lease: the router's release is answered 501 by the proxy
+    (the router then stops asking this pod), never sent to vLLM as an unknown route."""
+    client, _, seen = pd_proxy(200)
+    r = await client.post("/v1/kv/release", json={"kv_transfer_params": KV})
+    assert r.status_code == 501 and "lease" in r.json()["error"]["message"] and seen == []

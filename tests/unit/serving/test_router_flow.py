@@ -43,6 +43,8 @@ class Workers:
         body = json.loads(request.content)
         if request.url.path == RELEASE_PATH:
             self.released.append((base, body["kv_transfer_params"]))
+            if self.behaviour[base] == "vllm":  # pd-proxy in front of vLLM, which has no release call
+                return httpx.Response(501, json={"error": {"message": "cannot free unread KV", "code": 501}})
             return httpx.Response(200, json={"released": True})
         self.seen.append((base, body, request.headers.get("x-request-id")))
         mode = self.behaviour[base]
@@ -172,6 +174,22 @@ async def test_a_decode_4xx_about_the_request_is_passed_back_once():
     assert "disagg:router_decode_alone_total{" not in state.metrics.render().decode()
     await asyncio.sleep(0.05)
     assert workers.released == [(P1, KV)]  # the decode refused the request, so nobody reads its KV
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_cannot_release_kv_is_asked_once_and_a_decode_that_failed_never():
+    """vLLM's pd-proxy answers the release 501: the router stops asking that prefill (its KV goes at the lease
+    end). A decode hop that failed without refusing (a 5xx: it may have started reading) gets no release."""
+    client, workers, state = router({P1: "vllm"}, {D1: "400"})
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 400
+        await asyncio.sleep(0.02)
+    assert workers.released == [(P1, KV)] and P1 in state.handoffs.cannot_release
+    assert sum(state.handoffs.pending()[0][P1][:1]) == 3  # still pending there, until their lease end
+    client, workers, state = router({P1: "ok"}, {D1: "500"})
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 503
+    await asyncio.sleep(0.05)
+    assert workers.released == [] and state.handoffs.pending()[0][P1][0] == 1
 
 
 @pytest.mark.asyncio
