@@ -52,6 +52,7 @@ def build_epp_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) -> di
                   {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
         "env": downward_env() + client_key_env(spec.router),  # the router's client keys at this front door too
         "resources": resources(picker.resources),
+        "startupProbe": grpc_probe(EPP_HEALTH_PORT, LIVENESS_SERVICE, 5, 24),  # as the router's: start-up first
         "livenessProbe": grpc_probe(EPP_HEALTH_PORT, LIVENESS_SERVICE, 10, 3),
         "readinessProbe": grpc_probe(EPP_HEALTH_PORT, READINESS_SERVICE, 5, 2),  # NOT_SERVING while draining
         "securityContext": container_security_context(),

@@ -242,6 +242,10 @@ def build_router_deployment(owner: Owner, spec: s.DisaggregatedInferenceSpec) ->
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": downward_env() + client_key_env(spec.router),
         "resources": resources(spec.router.resources),
+        # liveness only once /health first answered: on a node busy starting the workers beside it (each loading
+        # torch and its weights) the router's own start-up can outlast liveness's 3 failures, and a restart then
+        # drops the requests a held burst brought
+        "startupProbe": http_probe("/health", 5, 24, scheme),
         "livenessProbe": http_probe("/health", 10, 3, scheme),
         "readinessProbe": http_probe("/ready", 5, 2, scheme),  # 503 until the router sees a decode endpoint
         "securityContext": container_security_context(),  # moves HTTP only: never IPC_LOCK

@@ -91,6 +91,7 @@ def test_the_endpoint_picker_runs_like_the_router():
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 9002, "grpc-health": 9003,
                                                                    "metrics": 9090}
     assert c["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    assert c["startupProbe"]["grpc"] == c["livenessProbe"]["grpc"]  # liveness only once it has started
     assert c["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert c["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "1Gi"}}
     assert pod["securityContext"] == router_pod["securityContext"]

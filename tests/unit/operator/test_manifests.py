@@ -262,6 +262,10 @@ def test_router_and_services():
         "app.kubernetes.io/name=disagg,app.kubernetes.io/instance=llama,app.kubernetes.io/component=prefill"
     assert arg(container(router), "--policy") == "least-loaded"
     assert container(router)["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # liveness waits for a start-up of its own (a node busy starting workers must not restart the router in a loop)
+    startup = container(router)["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 3 * container(router)["livenessProbe"]["periodSeconds"]
     svc = m.build_router_service(OWNER, spec)
     assert svc["metadata"]["name"] == "llama" and svc["spec"]["type"] == "LoadBalancer"
     assert svc["spec"]["ports"][0]["port"] == 80
