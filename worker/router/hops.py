@@ -39,8 +39,9 @@ import httpx
 
 from disagg.worker.kv_transfer.handoff import Handoff, HandoffError
 from disagg.worker.router.capacity import Shed, next_endpoint, released, saturated
-from disagg.worker.router.hop_bodies import (HANDOFF_FIELD, RELEASE_PATH, decode_bodies, early_first_chunk, needs_prompt_logits,
-                                            prefill_body)
+from disagg.worker.router.handoffs import Ticket
+from disagg.worker.router.hop_bodies import (HANDOFF_FIELD, RELEASE_PATH, decode_bodies, early_first_chunk,
+                                            needs_prompt_logits, prefill_body)
 from disagg.worker.router.policy import RoutePlan
 from disagg.worker.router.relay import DecodeStream, relay
 from disagg.worker.router.draining import STOPPING_MESSAGE
@@ -94,7 +95,7 @@ async def serve(state: RouterState, plan: RoutePlan, path: str, body: dict[str, 
         opened = await open_decode(state, plan, path, d_body, alone, headers, deadline, bool(body.get("stream")),
                                    revisions, ticket=outcome.ticket)
     finally:  # no decode took the hand-off (shed, refused, failed, the client left): free its KV now
-        release_unread(state, outcome.ticket, outcome.handoff, headers)
+        release_unread(state, outcome.ticket, headers)
     if isinstance(opened, Reply):
         return opened
     return Reply(200, stream=relay(state, opened, deadline), headers=headers)
@@ -146,7 +147,8 @@ async def prefill_hop(state: RouterState, plan: RoutePlan, path: str, body: dict
         outcome = _handoff_of(ep.url, ep.revision, r)
         if outcome.handoff is not None and outcome.handoff.remote is not None:
             outcome.ticket = uuid.uuid4().hex
-            state.handoffs.handed_off(outcome.ticket, ep.url, outcome.handoff.remote.lease_expires_at)
+            state.handoffs.handed_off(outcome.ticket, ep.url, outcome.handoff.remote.lease_expires_at,
+                                      outcome.handoff)
         return outcome
     if state.prefill.endpoints:
         logger.warning("request %s: no prefill endpoint available (%d known); decode computes the prompt",
@@ -187,7 +189,7 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
                 state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
                 ticket=outcome.ticket, committed=True))
         finally:
-            release_unread(state, outcome.ticket, outcome.handoff, headers)
+            release_unread(state, outcome.ticket, headers)
         if not came:  # the router's drain timeout ran out
             yield sse_error(STOPPING_MESSAGE, 503, "service_unavailable")
             return
@@ -321,25 +323,25 @@ def settle_handoff(state: RouterState, ticket: str | None, consumed: bool, maybe
         state.metrics.handoff_consumed(seconds)
 
 
-def release_unread(state: RouterState, ticket: str | None, handoff: Handoff | None, headers: dict[str, str]
-                   ) -> None:
+def release_unread(state: RouterState, ticket: str | None, headers: dict[str, str]) -> None:
     """The request is over: when no decode may read its hand-off's KV (handoffs.HandoffLedger.unread), ask the
     prefill that keeps it to free it now, in the background. A prefill that cannot (vLLM's pd-proxy: 501) is
     not asked again; its KV goes at the lease end."""
-    if ticket is None or handoff is None or state.client is None:
+    if ticket is None or state.client is None:
         return
     send = state.handoffs.unread(ticket)
-    if send is None or send.prefill_url in state.handoffs.cannot_release:
+    if send is None or send.handoff is None or send.prefill_url in state.handoffs.cannot_release:
         return
     auth = {k: v for k, v in headers.items() if k.lower() in ("authorization", "x-request-id")}
-    task = asyncio.get_running_loop().create_task(_release(state, ticket, send.prefill_url, handoff, auth))
+    task = asyncio.get_running_loop().create_task(_release(state, ticket, send, auth))
     _releases.add(task)
     task.add_done_callback(_releases.discard)
 
 
-async def _release(state: RouterState, ticket: str, url: str, handoff: Handoff, headers: dict[str, str]) -> None:
+async def _release(state: RouterState, ticket: str, send: Ticket, headers: dict[str, str]) -> None:
+    url = send.prefill_url
     try:
-        r = await state.client.post(url + RELEASE_PATH, json={HANDOFF_FIELD: handoff.to_wire()}, headers=headers,
+        r = await state.client.post(url + RELEASE_PATH, json={HANDOFF_FIELD: send.handoff.to_wire()}, headers=headers,
                                     timeout=RELEASE_TIMEOUT_S)
     except httpx.HTTPError as e:
         logger.info("request %s: releasing its unread KV at %s failed (%s: %s); it goes at the lease end",

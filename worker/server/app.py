@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -146,8 +147,6 @@ async def _release_kv(state: ServerState, raw: bytes) -> dict[str, Any]:
     refused it): body {"kv_transfer_params": the hand-off this worker answered with}. With a hand-off key only
     a hand-off this resource signed, within its lease, is honoured (403 otherwise); 404 when its KV does not wait
     here (pulled, expired, another engine's)."""
-    import json
-
     loop_ = state.engine_loop
     if not loop_.ready:
         raise APIError(503, loop_.dead or "model is loading", "service_unavailable")
@@ -207,7 +206,7 @@ async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, 
         if e.status >= 500:
             logger.warning("rejected a request: %s", e.message)
         if ticket is not None:  # this engine never took the hand-off: its prefill frees the KV now
-            release_unread(state.pd, ticket, _handoff_in(raw), {"X-Request-Id": request_id})
+            release_unread(state.pd, ticket, {"X-Request-Id": request_id})
         if first_chunk is not None:  # the 200 and the first token are on their way: end it with the error
             return StreamingResponse(iter([first_chunk, sse(e.body()), sse("[DONE]")]),
                                      media_type="text/event-stream", headers={"X-Request-Id": request_id})
@@ -230,15 +229,6 @@ async def _answer(state: ServerState, request: Request, kind: Kind, raw: bytes, 
         return StreamingResponse(stream(state.engine_loop, job, first), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.request_id})
     return await complete(state.engine_loop, request, job)
-
-
-def _handoff_in(raw: bytes) -> Any:
-    """The hand-off prefill_remotely put into the request's body."""
-    import json
-
-    from disagg.worker.kv_transfer.handoff import Handoff
-
-    return Handoff.parse(json.loads(raw)["kv_transfer_params"])
 
 
 def _reserve(state: ServerState) -> None:
