@@ -4,6 +4,7 @@
   = now + grace, deletionGracePeriodSeconds = grace, from the request's gracePeriodSeconds or the pod's
   terminationGracePeriodSeconds, default 30); the pod goes away when the kubelet deletes it again with
   gracePeriodSeconds=0 after its containers stopped. An unbound pod is removed at once, as a real API server does.
+  DeleteOptions.preconditions.uid is honoured (409 when the object by that name is another one).
 - CustomResourceDefinitions: creating one serves its kind (discovery, list/watch/patch, /status when declared,
   and /scale when declared: GET and PATCH of an autoscaling/v1 Scale read and write the CRD's replica paths, as an
   HPA or KEDA does).
@@ -104,16 +105,22 @@ class ClusterApiServer(KubeEmulator):
         if request.subresource == "scale" and key in self.scales and request.name is not None:
             return aiohttp.web.json_response(await self._scale(request, key))
         if request.method.value.upper() == "DELETE" and request.name is not None:
-            grace = requested_grace(dict(request.params), self._body(request))
-            out = await self._delete_with_grace(key, request.namespace, request.name, grace)
+            body = self._body(request)
+            grace = requested_grace(dict(request.params), body)
+            uid = ((body.get("preconditions") or {}) if isinstance(body, dict) else {}).get("uid")
+            out = await self._delete_with_grace(key, request.namespace, request.name, grace, uid)
             return aiohttp.web.json_response(out)
         return await super()._dispatch(request, key)
 
-    async def _delete_with_grace(self, key: ResKey, ns: str | None, name: str, grace: int | None) -> dict:
+    async def _delete_with_grace(self, key: ResKey, ns: str | None, name: str, grace: int | None,
+                                 uid: str | None = None) -> dict:
         with self._guard:
             obj = self._store.get((*key, ns, name))
             if obj is None:
                 raise ApiStatus(404, "NotFound", f'{key[2]} "{name}" not found')
+            if uid is not None and obj["metadata"].get("uid") != uid:  # DeleteOptions.preconditions.uid
+                raise ApiStatus(409, "Conflict", f'Precondition failed: UID in precondition: {uid}, '
+                                f'UID in object meta: {obj["metadata"].get("uid")}')
             out = self._mark_or_remove(key, (*key, ns, name), obj, grace)
             self._collect_garbage()
         await self._emit()

@@ -229,10 +229,11 @@ class Kubelet:
             log.warning("status of pod %s: HTTP %s %s", meta["name"], r.status_code, r.text[:200])
 
     def remove(self, pod: dict[str, Any]) -> None:
-        """The pod's containers are gone: delete the object for good and free its IP and volumes."""
+        """The pod's containers are gone: delete the object for good and free its IP and volumes. Only this pod
+        (its uid): a new pod of the same name may have been created since this one was deleted."""
         meta = pod["metadata"]
         self.http.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                          json={"gracePeriodSeconds": 0})
+                          json={"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
         worker = self.workers.pop(meta["uid"], None)
         if worker is not None:
             self.ips.release(worker.pod_ip)

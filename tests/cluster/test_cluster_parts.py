@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
+import uuid
 
 import pytest
 
@@ -123,17 +124,18 @@ def test_a_failing_init_container_keeps_the_pod_from_starting(cluster, secret):
 
 def test_deletion_runs_prestop_then_sigterm_and_sigkills_at_the_end_of_the_grace_period(cluster, secret):
     script = 'trap "echo got TERM" TERM; echo started; while true; do sleep 0.1; done'
-    pod = _shell_pod("parts-grace", script, terminationGracePeriodSeconds=4)
+    name = f"parts-grace-{uuid.uuid4().hex[:6]}"  # a rerun's pod is not the last try's, which may still terminate
+    pod = _shell_pod(name, script, terminationGracePeriodSeconds=4)
     pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": ["sh", "-c", "echo prestop"]}}}
     cluster.apply(pod)
-    wait_for(lambda: "started" in _log(cluster, "parts-grace"), 30, "the container to start")
+    wait_for(lambda: "started" in _log(cluster, name), 30, "the container to start")
     t0 = time.monotonic()
-    cluster.kubectl("delete", "pod", "parts-grace", "--wait=false")
-    terminating = cluster.store.get_object("", "v1", "pods", "default", "parts-grace")
+    cluster.kubectl("delete", "pod", name, "--wait=false")
+    terminating = cluster.store.get_object("", "v1", "pods", "default", name)
     assert terminating["metadata"]["deletionGracePeriodSeconds"] == 4  # marked, not removed
-    wait_for(lambda: cluster.store.get_object("", "v1", "pods", "default", "parts-grace") is None, 15, "pod gone")
+    wait_for(lambda: cluster.store.get_object("", "v1", "pods", "default", name) is None, 15, "pod gone")
     elapsed = time.monotonic() - t0
-    log = wait_for(lambda: "\nprestop\n" in (t := _log(cluster, "parts-grace")) and "\ngot TERM\n" in t and t, 5,
+    log = wait_for(lambda: "\nprestop\n" in (t := _log(cluster, name)) and "\ngot TERM\n" in t and t, 5,
                    "the hook's and the trap's output")
     assert log.index("\nprestop\n") < log.index("\ngot TERM\n"), log  # the hook, then SIGTERM (ignored), then SIGKILL
     assert 3.5 < elapsed < 15, elapsed  # the whole grace period: SIGTERM did not end it, SIGKILL did
