@@ -152,7 +152,9 @@ def _scenario(up: dict, start_load: Callable[[], Load], role: str) -> tuple[dict
 
 def test_decode_bottleneck_scales_decode_and_leaves_prefill(up):
     t0 = time.monotonic()
-    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, "the quick brown fox", 100, 0.25),
+    # clients a second apart: started 0.25 s apart, their first prompts queued 5 deep at the one-at-a-time
+    # prefill of a slow CI machine (TTFT 2.4 s) - a real prefill backlog, if a passing one, that scaled prefill
+    event, status, others = _scenario(up, lambda: Load(up["router"], CLIENTS, "the quick brown fox", 100, 1.0),
                                       "decode")
     assert (event["from"], event["to"], event["reason"], event["dryRun"]) == (1, 2, "DecodeBound", True), event
     # expiredLeases: requests waited at the full decode past the prefill's lease on their KV - decode-bound too
