@@ -22,7 +22,7 @@ wait_for = functools.partial(waiting.wait_for, interval=0.5)
 
 
 def zero_spec(model_dir: str) -> dict:
-    doc = vllm_spec(model_dir, grace_s=30)
+    doc = vllm_spec(model_dir)
     doc["metadata"]["name"] = "vllm-zero"
     one = {"minReplicas": 1, "maxReplicas": 1}
     doc["spec"]["autoscaling"] = {
