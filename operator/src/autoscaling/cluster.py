@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -128,7 +128,7 @@ def deletion_cost_patches(pods: list[dict[str, Any]], victims: list[str]) -> dic
 def zero_status(zero: ZeroStep | None, old: dict[str, Any]) -> dict[str, Any] | None:
     """status.autoscaling.scaleToZero (None with scale to zero off). The times outlive the operator's memory: a
     pool still at zero keeps the `since` status already says; leftZeroAt stays until the next return."""
-    if zero is None or zero.reason is None and zero.state == ZeroState():
+    if zero is None or zero.reason is None and replace(zero.state, served=None) == ZeroState():
         return None
     at_zero = zero.reason in ("ScaledToZero", "AtZero")
     since = old.get("since") if at_zero and old.get("atZero") else None

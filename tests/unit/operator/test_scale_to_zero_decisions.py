@@ -7,7 +7,9 @@ import pytest
 
 from disagg.operator.autoscaling.inputs import AutoscalePolicy, RoleBounds
 from disagg.operator.autoscaling.report import ScalingChange
-from disagg.operator.autoscaling.samples import HELD_REQUESTS, NUM_REQUESTS_RUNNING, PENDING_SENDS, PodSample
+from disagg.operator.autoscaling.samples import (
+    HELD_REQUESTS, NUM_REQUESTS_RUNNING, PENDING_SENDS, TTFT, Histogram, PodSample,
+)
 from disagg.operator.autoscaling.scaling_pass import PassState, run_pass
 from disagg.operator.autoscaling.zero import ZeroState, zero_step
 
@@ -43,6 +45,38 @@ def test_anything_in_flight_or_unread_restarts_the_idle_clock(busy):
     state = ZeroState(idle_since=0.0)
     step = zero_step(60, MINS, pods(**busy), UP, state, 1000.0)
     assert step.desired is None and step.state.idle_since is None
+
+
+def served(first_tokens: float, restarted: bool = False) -> list[PodSample]:
+    """Nothing in flight at the read, `first_tokens` counted by decode-0 so far (a new pod name: restarted)."""
+    samples = pods()
+    ttft = Histogram(((float("inf"), first_tokens),), 0.1 * first_tokens, first_tokens)
+    decode = next(s for s in samples if s.pod == "decode-0")
+    if restarted:
+        decode.pod = "decode-0b"
+    decode.histograms[TTFT] = ttft
+    return samples
+
+
+def test_requests_served_between_reads_are_not_idleness():
+    """Light traffic: a short request every 30 s, each over before the next read - no read sees one in flight,
+    yet the pools serve. They stay up; once no first token is counted for idleSeconds, they go."""
+    state, now = ZeroState(), 100.0
+    for n in range(1, 8):  # 7 passes 30 s apart over 180 s, idleSeconds 60: a request finished between each
+        step = zero_step(60, MINS, served(n), UP, state, now)
+        assert step.desired is None, (n, step)
+        state, now = step.state, now + 30
+    assert state.idle_since is None
+    quiet = [zero_step(60, MINS, served(7), UP, state, now)]
+    for t in (now + 30, now + 60):
+        quiet.append(zero_step(60, MINS, served(7), UP, quiet[-1].state, t))
+    assert [q.desired for q in quiet] == [None, None, ZERO] and quiet[0].state.idle_since == now
+
+
+def test_a_restarted_worker_counting_from_zero_is_not_a_request():
+    first = zero_step(60, MINS, served(40), UP, ZeroState(), 100.0)
+    after = zero_step(60, MINS, served(0, restarted=True), UP, first.state, 130.0)
+    assert after.state.idle_since == 100.0  # decode-0b was not read before: nothing to compare
 
 
 def test_kv_pending_or_a_replica_without_a_sample_is_not_idle():
