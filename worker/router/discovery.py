@@ -149,6 +149,7 @@ class FileDiscovery:
     _seen: tuple | None = field(default=None, repr=False)  # (mtime_ns, inode, size) of the last read
     kv_events: dict[str, dict] = field(default_factory=dict)  # url -> where it publishes KV-cache events
     roles: tuple[str, ...] = ("prefill", "decode")  # the pools it keeps (a decode side's hop: prefill only)
+    _error: str | None = field(default=None, repr=False)  # the last problem logged (each is logged once)
 
     def poll(self, prefill: EndpointPool, decode: EndpointPool) -> bool:
         """Apply the file if it changed since the last poll; True when it did."""
@@ -160,10 +161,12 @@ class FileDiscovery:
             text = Path(self.path).read_text()
             urls = parse_endpoints(text, self.path)
         except (OSError, ValueError) as e:
-            logger.warning("endpoints file: %s; keeping %d prefill, %d decode endpoints", e,
-                           len(prefill.endpoints), len(decode.endpoints))
+            if str(e) != self._error:  # once, not every interval (a launcher writes the file after its workers start)
+                logger.warning("endpoints file: %s; keeping %d prefill, %d decode endpoints", e,
+                               len(prefill.endpoints), len(decode.endpoints))
+                self._error = str(e)
             return False
-        self._seen = key
+        self._seen, self._error = key, None
         self.kv_events = parse_kv_events(text)
         names = parse_names(text)
         pools = {"prefill": prefill, "decode": decode}

@@ -57,6 +57,26 @@ def test_file_discovery_applies_changes_only_and_keeps_the_last_membership_on_a_
     assert [p.name for p in tmp_path.iterdir()] == ["endpoints.json"], "no temporary file left behind"
 
 
+def test_a_missing_or_bad_endpoints_file_is_logged_once_per_problem(tmp_path, caplog):
+    """A router started before its launcher wrote the file polls every second: one warning, not one a second."""
+    path = tmp_path / "endpoints.json"
+    prefill, decode = EndpointPool("prefill"), EndpointPool("decode")
+    discovery = FileDiscovery(str(path))
+    with caplog.at_level("WARNING", logger="disagg.worker.router.discovery"):
+        for _ in range(5):
+            discovery.poll(prefill, decode)
+        path.write_text("{broken")
+        for _ in range(3):
+            discovery.poll(prefill, decode)
+        write_endpoints(path, ["http://p:1"], ["http://d:1"])
+        assert discovery.poll(prefill, decode)
+        path.write_text("{broken again")
+        discovery.poll(prefill, decode)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3, warnings  # missing, broken, broken again after a good read
+    assert "No such file" in warnings[0] and "not JSON" in warnings[1] and "keeping 1 prefill, 1 decode" in warnings[2]
+
+
 @pytest.mark.asyncio
 async def test_router_lists_its_membership_at_endpoints():
     prefill, decode = EndpointPool("prefill"), EndpointPool("decode")
