@@ -2,10 +2,18 @@
 command builder. Completions and chat, plain and streaming, through the router equal one colocated vLLM worker's
 greedy output; the KV moved over NIXL (vLLM's nixl metrics on decode); SIGTERM leaves no process behind.
 
+Scale to zero on the same set (spec.autoscaling.scaleToZero, each vLLM behind disagg pd-proxy): while the tests
+above send requests the pools stay up (every request between two reads counts, though each is over before the
+next read); idle for idleSeconds after them, both pools go to zero processes; then 20 concurrent requests arrive:
+the router holds them, the launcher brings both vLLM workers back at once, and every request gets 200 with the
+colocated reference's greedy text. The cold start (held -> first byte) is the router's histogram, printed: vLLM's
+start-up is most of it.
+
 vLLM starts in about a minute here and its NIXL progress thread takes a core per idle worker, so the colocated
 reference runs first and alone, and the P/D set only as long as its tests need it."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import signal
 import time
@@ -33,13 +41,31 @@ def vllm_spec(model_dir: str, decode_replicas: int = 1, grace_s: int = 30) -> di
             "spec": spec}
 
 
+IDLE_S = 20  # longer than any pause between this module's requests, on a loaded 2-core box
+
+
+def zero_spec(model_dir: str) -> dict:
+    doc = vllm_spec(model_dir)
+    one = {"minReplicas": 1, "maxReplicas": 1}
+    doc["spec"]["autoscaling"] = {
+        "enabled": True, "intervalSeconds": 2, "prefill": one, "decode": one,
+        # the hold outlasts two vLLM start-ups on a loaded 2-core box
+        "scaleToZero": {"enabled": True, "idleSeconds": IDLE_S, "holdSeconds": 420, "maxHeldRequests": 50}}
+    return doc
+
+
 @pytest.fixture(scope="module")
 def up(vllm_executable, vllm_model_dir, reference_texts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-up")
     port, status_port = free_port(), free_port()
-    with disagg_up(vllm_spec(vllm_model_dir), tmp, vllm_executable, port, STARTUP_S, "serving",
+    # "  -> ": disagg up's own first request is over before the tests begin
+    with disagg_up(zero_spec(vllm_model_dir), tmp, vllm_executable, port, STARTUP_S, "  -> ",
                    ["--status-port", str(status_port)]) as up:
         yield {**up, "router": f"http://127.0.0.1:{port}", "status": f"http://127.0.0.1:{status_port}"}
+
+
+def _status(up: dict) -> dict:
+    return httpx.get(f"{up['status']}/status", timeout=30).json()
 
 
 def test_disagg_up_starts_vllm_serve_from_the_builder(up):
@@ -111,12 +137,33 @@ def test_the_autoscaler_decides_from_live_vllm_metrics(up):
     assert "pendingLoads" in second.signals["decode"]["used"]  # vllm:num_requests_kv_fetch_by_stage
 
 
+def test_idle_pools_go_to_zero_and_twenty_requests_bring_them_back_with_the_same_text(up, reference_texts):
+    router, text = up["router"], up["output"]
+    assert "ScaledToZero" not in text(), f"the pools went to zero while the tests above sent requests\n{text()}"
+    wait_for(lambda: _status(up)["replicas"] == {"prefill": 0, "decode": 0}, IDLE_S + 100, f"scale to zero\n{text()}")
+    wait_for(lambda: _status(up)["workers"] == [], 180, f"the vLLM workers to drain and stop\n{text()}")
+    assert _status(up)["autoscaling"]["scaleToZero"]["atZero"]
+    assert httpx.get(f"{router}/ready", timeout=10).status_code == 200  # it holds: reachable at zero
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        texts = list(pool.map(lambda _: generate(router, "completion", False), range(20)))
+    took = time.monotonic() - t0
+    assert texts == [reference_texts["completion"]] * 20
+    assert _status(up)["replicas"] == {"prefill": 1, "decode": 1}
+    assert "prefill 0 -> 1 (ScaledFromZero)" in text() and "decode 0 -> 1 (ScaledFromZero)" in text()
+    held = metric_sum(router, "disagg:router_cold_start_seconds_count")
+    cold = metric_sum(router, "disagg:router_cold_start_seconds_sum") / held
+    assert held == 20 and metric_sum(router, "disagg:router_held_requests") == 0
+    print(f"\nvLLM: 20 requests at zero served in {took:.1f}s; cold start (held -> first byte) mean {cold:.1f}s")
+
+
 def test_sigterm_stops_every_vllm_process(up):
+    workers = [w["url"] for w in _status(up)["workers"]]  # those running now (scale to zero restarted them)
     launcher = up["launcher"]
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(180) == 0
-    for name in ("prefill-0", "decode-0", "router"):
-        url = up["urls"].get(name) or up["router"]
+    for url in (*workers, up["router"]):
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
     assert "stopped" in up["output"]()
