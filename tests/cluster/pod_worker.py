@@ -184,6 +184,9 @@ class PodWorker:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+                with self.node.log_path(self.pod, run.spec).open("ab") as log:  # say so, as kubectl describe would
+                    log.write(f"--- exec hook killed: the grace period ended ({grace_seconds:.1f} s left when the "
+                              f"deletion was seen)\n".encode())
             # as the kubelet: a preStop hook that used up the grace period leaves SIGTERM a last 2 seconds
             deadline = max(deadline, time.monotonic() + PRESTOP_OVERRUN_SECONDS)
         run.process.signal(signal.SIGTERM)

@@ -357,7 +357,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             new["metadata"]["resourceVersion"] = self._next_rv()
             self._store[okey] = new
             etype = "MODIFIED"
-            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            # the last finalizer went: gone. (A pod under graceful deletion has a deletionTimestamp and no
+            # finalizers all along: a status patch from its kubelet does not remove it.)
+            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers") \
+                    and old["metadata"].get("finalizers"):
                 del self._store[okey]
                 etype = "DELETED"
             self._record_event(key, etype, new)
