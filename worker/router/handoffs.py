@@ -20,7 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from disagg.worker.kv_transfer.handoff import Handoff
 
 DEFAULT_LEASE_S = 30.0  # the workers' default (--kv-lease-seconds), for a hand-off that names no lease end
 
@@ -32,7 +35,7 @@ class Ticket:
     handed_at: float  # monotonic: when the prefill's answer came
     expires_at: float  # monotonic: its lease end
     maybe_read: bool = False  # a decode hop that carried it failed without saying it refused it
-    handoff: Any = None  # the hand-off itself: what a release call gives back to its prefill
+    handoff: Handoff | None = None  # the hand-off itself: what a release call gives back to its prefill
 
 
 @dataclass
@@ -43,7 +46,8 @@ class HandoffLedger:
     loads: dict[str, tuple[str, float]] = field(default_factory=dict)  # ticket id -> (decode url, sent at)
     cannot_release: set[str] = field(default_factory=set)  # prefill urls without a release call (vLLM: 501)
 
-    def handed_off(self, ticket: str, prefill_url: str, lease_expires_at: float | None, handoff: Any = None) -> None:
+    def handed_off(self, ticket: str, prefill_url: str, lease_expires_at: float | None,
+                   handoff: Handoff | None = None) -> None:
         now = self.clock()
         left = lease_expires_at - self.wall() if lease_expires_at is not None else DEFAULT_LEASE_S
         self.sends[ticket] = Ticket(prefill_url, now, now + max(left, 0.0), handoff=handoff)
