@@ -13,8 +13,6 @@ kv_transfer/base.py); the batch is flat: T tokens of several requests (see Atten
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,13 +21,41 @@ from disagg.worker.model import cpu_kernels
 from disagg.worker.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 
 
-@dataclass
 class PagedIndex:
-    """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra)."""
+    """Index tensors of one step, shared by every attention layer (built once, cached in ctx.extra).
 
-    kv_rows: torch.Tensor  # (layers, 2, T) row of each new token's K and V in the cache viewed as (rows, n_kv * hd)
-    decode_blocks: torch.Tensor  # (B_dec * n_blocks,) block ids of the decodes, padded to the longest
-    decode_mask: torch.Tensor  # (B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it
+    kv_rows: (layers, 2, T) row of each new token's K and V in the cache viewed as (rows, n_kv * hd).
+    decode_blocks, decode_mask: what the torch decode path needs, made when first asked for - the CPU
+    kernel reads the block tables in place, and building a mask as wide as the longest context cost
+    every step several small tensor ops it never used."""
+
+    def __init__(self, kv_rows: torch.Tensor, md: AttentionMetadata, dtype: torch.dtype):
+        self.kv_rows = kv_rows
+        self._md, self._dtype = md, dtype
+        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def decode_blocks(self) -> torch.Tensor:
+        """(B_dec * n_blocks,) block ids of the decodes, padded to the longest."""
+        return self._decode_index()[0]
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """(B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it."""
+        return self._decode_index()[1]
+
+    def _decode_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._decode is None:
+            md, bs = self._md, self._md.block_size
+            B = md.num_decodes
+            n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
+            decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
+            key_pos = torch.arange(n_blocks * bs, device=md.block_tables.device)  # (S,)
+            in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
+            # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
+            mask = torch.zeros(in_context.shape, dtype=self._dtype, device=key_pos.device)
+            self._decode = decode_blocks, mask.masked_fill_(~in_context, -math.inf)[:, None, None, :]
+        return self._decode
 
     @staticmethod
     def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
@@ -41,14 +67,7 @@ class PagedIndex:
         # cache (num_blocks, layers, 2, block_size, ...): row = ((block * layers + layer) * 2 + kv) * bs + offset
         slot_rows = block_ids * (num_layers * 2 * bs) + md.slot_mapping % bs  # (T,) layer 0, K
         layer_kv = torch.arange(num_layers * 2, device=dev).view(num_layers, 2, 1) * bs  # (layers, 2, 1)
-        B = md.num_decodes
-        n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
-        decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
-        key_pos = torch.arange(n_blocks * bs, device=dev)  # (S,)
-        in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
-        # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
-        mask = torch.zeros(in_context.shape, dtype=kv_cache.dtype, device=dev).masked_fill_(~in_context, -math.inf)
-        return PagedIndex(slot_rows + layer_kv, decode_blocks, mask[:, None, None, :])
+        return PagedIndex(slot_rows + layer_kv, md, kv_cache.dtype)
 
 
 def paged_index(ctx: ForwardContext) -> PagedIndex:

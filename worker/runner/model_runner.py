@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from disagg.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -130,41 +131,54 @@ class ModelRunner:
     def _prepare_inputs(
         self, req_ids: list[str], num_scheduled: dict[str, int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[str, int]]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        # The step's index arrays are built in numpy and handed to torch without a copy: torch.tensor() of
+        # Python lists converted ~100 ns per element - on a P/D decode worker at 2k-token contexts the block
+        # tables alone took ~12% of the engine thread's samples.
+        bs = self.block_size
+        T = sum(num_scheduled[r] for r in req_ids)
+        ids = np.empty(T, dtype=np.int64)
+        pos = np.empty(T, dtype=np.int64)
+        slots = np.empty(T, dtype=np.int64)
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_rows: list[tuple[str, int]] = []  # (req_id, row of its last new token)
-        bs = self.block_size
         for r in req_ids:
             state, n = self.requests[r], num_scheduled[r]
-            start = state.num_computed_tokens
+            start, q0 = state.num_computed_tokens, query_start_loc[-1]
             end = start + n
-            ids.extend(state.token_ids[start:end])
-            pos.extend(range(start, end))
-            table = state.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + n)
+            if n == 1:  # a decode: no arrays for one token
+                ids[q0] = state.token_ids[start]
+                pos[q0] = start
+                slots[q0] = state.block_ids[start // bs] * bs + start % bs
+            else:
+                ids[q0:q0 + n] = state.token_ids[start:end]
+                p = np.arange(start, end, dtype=np.int64)
+                pos[q0:q0 + n] = p
+                table = np.asarray(state.block_ids[start // bs:(end - 1) // bs + 1], dtype=np.int64)
+                slots[q0:q0 + n] = table[p // bs - start // bs] * bs + p % bs
+            query_start_loc.append(q0 + n)
             seq_lens.append(end)
             if end >= len(state.token_ids):  # prompt (chunk) complete: sample the next token
-                sample_rows.append((r, query_start_loc[-1] - 1))
+                sample_rows.append((r, q0 + n - 1))
         max_blocks = max(-(-s // bs) for s in seq_lens)
-        tables = [self.requests[r].block_ids[:max_blocks] for r in req_ids]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        tables = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
+        for i, r in enumerate(req_ids):
+            row = self.requests[r].block_ids[:max_blocks]
+            tables[i, :len(row)] = row
         dev = self.device
         meta = AttentionMetadata(
             num_decodes=sum(1 for r in req_ids if num_scheduled[r] == 1),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            seq_lens_tensor=_to(np.asarray(seq_lens, dtype=np.int64), dev),
+            block_tables=_to(tables, dev),
+            slot_mapping=_to(slots, dev),
             block_size=bs,
         )
-        return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            meta,
-            sample_rows,
-        )
+        return _to(ids, dev), _to(pos, dev), meta, sample_rows
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 numpy array as a tensor on device: shared memory on CPU, one copy elsewhere."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
