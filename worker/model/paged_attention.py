@@ -13,6 +13,8 @@ kv_transfer/base.py); the batch is flat: T tokens of several requests (see Atten
 from __future__ import annotations
 
 import math
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,30 +34,23 @@ class PagedIndex:
     def __init__(self, kv_rows: torch.Tensor, md: AttentionMetadata, dtype: torch.dtype):
         self.kv_rows = kv_rows
         self._md, self._dtype = md, dtype
-        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
+        B = md.num_decodes
+        self._n_blocks = -(-max(md.seq_lens[:B], default=0) // md.block_size)  # the longest decode's
 
-    @property
+    @cached_property
     def decode_blocks(self) -> torch.Tensor:
         """(B_dec * n_blocks,) block ids of the decodes, padded to the longest."""
-        return self._decode_index()[0]
+        return self._md.block_tables[:self._md.num_decodes, :self._n_blocks].reshape(-1)
 
-    @property
+    @cached_property
     def decode_mask(self) -> torch.Tensor:
-        """(B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it."""
-        return self._decode_index()[1]
-
-    def _decode_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._decode is None:
-            md, bs = self._md, self._md.block_size
-            B = md.num_decodes
-            n_blocks = -(-max(md.seq_lens[:B], default=0) // bs)
-            decode_blocks = md.block_tables[:B, :n_blocks].reshape(-1)  # (B * n_blocks,)
-            key_pos = torch.arange(n_blocks * bs, device=md.block_tables.device)  # (S,)
-            in_context = key_pos[None, :] < md.seq_lens_tensor[:B, None]  # (B, S)
-            # additive float mask, as SDPA would make from the bool one, made once instead of in every layer
-            mask = torch.zeros(in_context.shape, dtype=self._dtype, device=key_pos.device)
-            self._decode = decode_blocks, mask.masked_fill_(~in_context, -math.inf)[:, None, None, :]
-        return self._decode
+        """(B_dec, 1, 1, n_blocks * block_size) additive: 0 in context, -inf past it (as SDPA would make from
+        the bool one, made once per step instead of in every layer)."""
+        md = self._md
+        key_pos = torch.arange(self._n_blocks * md.block_size, device=md.block_tables.device)  # (S,)
+        in_context = key_pos[None, :] < md.seq_lens_tensor[:md.num_decodes, None]  # (B, S)
+        mask = torch.zeros(in_context.shape, dtype=self._dtype, device=key_pos.device)
+        return mask.masked_fill_(~in_context, -math.inf)[:, None, None, :]
 
     @staticmethod
     def build(md: AttentionMetadata, kv_cache: torch.Tensor) -> PagedIndex:
