@@ -11,7 +11,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from disagg.worker.body_limit import BODY_IDLE_TIMEOUT_S, LimitRequestBody
 from disagg.worker.client_disconnect import unless_disconnected
 from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
 from disagg.worker.router.draining import STOPPING_MESSAGE
@@ -23,9 +22,7 @@ from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
 
 
-def build_app(state: RouterState, max_body_bytes: int | None = None,
-              body_idle_s: float = BODY_IDLE_TIMEOUT_S) -> FastAPI:
-    """`max_body_bytes`: request bodies over it are refused with 413 (body_limit.py), inside the door."""
+def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="disagg router", docs_url=None, redoc_url=None)
     add_status_routes(app, state)
 
@@ -59,18 +56,16 @@ def build_app(state: RouterState, max_body_bytes: int | None = None,
     async def chat(request: Request) -> Response:
         return to_response(await route(state, request, "/v1/chat/completions"))
 
-    if max_body_bytes is not None:
-        app.add_middleware(LimitRequestBody, max_bytes=max_body_bytes, idle_s=body_idle_s)
-    app.add_middleware(RefuseAtTheDoor, state=state)  # added last: outside the body limit, which reads the body
+    app.add_middleware(RefuseAtTheDoor, state=state)
     return app
 
 
 class RefuseAtTheDoor:
     """ASGI middleware: a generation request that finds the decode pool full - every endpoint saturated, or the
     requests in flight filling what the endpoints held at their last 429 (capacity.room_for) - and no room
-    within the queue wait gets its 429 before its body is read (it runs outside the body limit, which reads it)
-    or parsed, and before the framework routes it: under a flood nearly every request is refused, and each refusal
-    is then the cost of its headers (as at the gateway: the picker's admit). Plain ASGI, inside the API-key check; the body is left unread (the server
+    within the queue wait gets its 429 before its body is read or parsed, and before the framework routes it:
+    under a flood nearly every request is refused, and each refusal is then the cost of its headers (as at the
+    gateway: the picker's admit). Plain ASGI, inside the API-key check; the body is left unread (the server
     discards it and keeps the connection). With no decode endpoint available the request goes on (the hold
     queue, or the ready wait, answers for it)."""
 

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
-from disagg.worker.body_limit import add_body_arguments, body_limit_problems
+from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
 from disagg.worker.router.draining import DRAIN_DELAY_S, DRAIN_TIMEOUT_S
 from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing, graceful_config
 
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     state = routing.state
-    app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_idle_s=args.request_body_timeout)
+    app = build_app(state)
+    app.add_middleware(LimitRequestBody, max_bytes=args.max_request_body_bytes, idle_s=args.request_body_timeout)
     if keys is not None:
         app.add_middleware(RequireApiKey, keys=keys)
     else:

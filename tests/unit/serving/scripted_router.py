@@ -1,5 +1,5 @@
 """A router app over scripted workers (an httpx.MockTransport handler), for the router's unit tests: every
-endpoint ready, round-robin, the app reached in-process with the request body limit the router's CLI sets."""
+endpoint ready, round-robin, the app reached in-process."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +7,6 @@ from typing import Any
 
 import httpx
 
-from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
 from disagg.worker.router.app import build_app
 from disagg.worker.router.endpoints import EndpointPool
 from disagg.worker.router.metrics import RouterMetrics
@@ -27,5 +26,5 @@ def scripted_router(prefill: list[str], decode: list[str], workers: Callable[[ht
         pools.append(pool)
     state = RouterState(pools[0], pools[1], RouterMetrics("m"), **state_kw)
     state.client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(state, max_body_bytes=DEFAULT_MAX_BODY_BYTES)), base_url="http://router")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(build_app(state)), base_url="http://router")
     return client, state
