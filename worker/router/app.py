@@ -63,11 +63,13 @@ def build_app(state: RouterState) -> FastAPI:
 class RefuseAtTheDoor:
     """ASGI middleware: a generation request that finds the decode pool full - every endpoint saturated, or the
     requests in flight filling what the endpoints held at their last 429 (capacity.room_for) - and no room
-    within the queue wait gets its 429 before its body is read or parsed, and before the framework routes it:
-    under a flood nearly every request is refused, and each refusal is then the cost of its headers (as at the
-    gateway: the picker's admit). Plain ASGI, inside the API-key check; the body is left unread (the server
-    discards it and keeps the connection). With no decode endpoint available the request goes on (the hold
-    queue, or the ready wait, answers for it)."""
+    within the queue wait gets its 429 before its body is parsed, and before the framework routes it: under a
+    flood nearly every request is refused, and each refusal is then little more than the cost of reading it (as
+    at the gateway: the picker's admit). Plain ASGI, inside the API-key check and the body limit: the router's
+    CLI adds the limit outside this, so a refused body has been read (not parsed) by then. Putting the door
+    outside the limit, to leave refused bodies unread, served less under a flood (bench/overload.py at 10x:
+    27-48 against 41-56 req/s, four alternating pairs), so it stays here. With no decode endpoint available the
+    request goes on (the hold queue, or the ready wait, answers for it)."""
 
     def __init__(self, app: Any, state: RouterState):
         self.app, self.state = app, state
