@@ -23,13 +23,13 @@ PROMPT = "The harbour market opened before dawn and the fishermen sold"
 
 @contextlib.contextmanager
 def pd_fleet(log_dir: Path, model: str, worker_flags: list[str] | None = None, router_flags: tuple[str, ...] = (),
-             prefill_extra: tuple[str, ...] = (), decode_extra: tuple[str, ...] = ()) -> Iterator[dict]:
-    """1 prefill + 1 decode worker (SharedStorageConnector, a short lease) and the router, on loopback; stopped
-    at the end, every process but those a test killed (fleet.killed) exiting 0."""
+             prefill_extra: tuple[str, ...] = (), decode_extra: tuple[str, ...] = (),
+             connector: str = "SharedStorageConnector") -> Iterator[dict]:
+    """1 prefill + 1 decode worker (SharedStorageConnector unless `connector` says, a short lease) and the router,
+    on loopback; stopped at the end, every process but those a test killed (fleet.killed) exiting 0."""
     fleet = serving_fleet.Fleet(log_dir, worker_flags)
-    prefill = fleet.worker("prefill-0", "prefill", model, "SharedStorageConnector", lease_s=LEASE_S,
-                           extra=prefill_extra)
-    decode = fleet.worker("decode-0", "decode", model, "SharedStorageConnector", lease_s=LEASE_S, extra=decode_extra)
+    prefill = fleet.worker("prefill-0", "prefill", model, connector, lease_s=LEASE_S, extra=prefill_extra)
+    decode = fleet.worker("decode-0", "decode", model, connector, lease_s=LEASE_S, extra=decode_extra)
     fleet.wait_ready()
     router = fleet.router([prefill], [decode], tuple(router_flags))
     fleet.wait_ready()

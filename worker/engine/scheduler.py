@@ -97,6 +97,14 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished():
                 continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req_id in self.finished_recving_kv_req_ids:
+                # its transfer is over (landed or failed) and the step that would admit it has not run: nothing
+                # writes into its blocks any more. Waiting for a finish that was already reported would hold
+                # them for good, and the landed id would keep the engine stepping without a pause.
+                self.finished_recving_kv_req_ids.discard(req_id)
+                self.failed_recving_kv_req_ids.discard(req_id)
+                self._finish(req, status, error)
+                continue
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # blocks are being written by a transfer: free them once it is over
                 self._dequeue(req)

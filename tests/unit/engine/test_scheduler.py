@@ -234,6 +234,27 @@ def test_abort_while_loading_frees_blocks_only_after_the_transfer(assert_all_fre
     s.update_from_output(so, ModelRunnerOutput.empty(KVConnectorOutput(finished_recving={"d"})))
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_abort_after_the_load_landed_frees_at_once_and_leaves_the_engine_idle(failed, assert_all_free):
+    """The client leaves between its KV landing (reported by a step) and the step that would admit it: no
+    transfer writes into its blocks any more, so they are freed now; nothing is left that keeps the engine
+    stepping (found under a flood: a decode worker spun a core with no request, one block held for good)."""
+    s = make_scheduler(connector=FakeRemoteConnector())
+    assert_all_free(s)
+    s.add_request(make_req("d", 9, kv={"do_remote_prefill": True}))
+    so = s.schedule()
+    blocks = s.kv.get_block_ids("d")
+    s.update_from_output(so, ModelRunnerOutput.empty(KVConnectorOutput()))
+    so = s.schedule()
+    kvo = KVConnectorOutput(finished_recving={"d"}, invalid_block_ids={blocks[1]} if failed else set())
+    s.update_from_output(so, ModelRunnerOutput.empty(kvo))
+    assert s.has_landed_remote_kv()
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert not s.has_landed_remote_kv() and not s.has_pending_kv_work() and not s.has_unfinished_requests()
+    so = s.schedule()
+    assert "d" in so.finished_req_ids and not so.num_scheduled_tokens
+
+
 def test_duplicate_request_id_rejected(assert_all_free):
     s = make_scheduler()
     assert_all_free(s)
