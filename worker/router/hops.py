@@ -188,6 +188,9 @@ def _continue_after_first_chunk(state: RouterState, plan: RoutePlan, path: str, 
             came, opened = await state.drain.unless_stopping(open_decode(
                 state, plan, path, d_body, alone, headers, deadline, True, revisions, count_first_byte=False,
                 ticket=outcome.ticket, committed=True))
+        except (asyncio.CancelledError, GeneratorExit):  # the client left before a decode took the request
+            state.metrics.request("client_gone")
+            raise
         finally:
             release_unread(state, outcome.ticket, headers)
         if not came:  # the router's drain timeout ran out

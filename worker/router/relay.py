@@ -2,9 +2,11 @@
 each wait bounded (idle, total). The 200 is sent by then, so a failure ends the stream with an SSE error event,
 counted, and an endpoint that broke it or fell silent is marked failed (outliers.py). A stream still open when
 the router's drain timeout runs out (draining.py) ends with an SSE error event (503) too, and says nothing
-about its worker."""
+about its worker. A client that leaves closes the stream (its worker aborts the request): counted client_gone,
+no verdict on the worker."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -55,6 +57,9 @@ async def relay(state: RouterState, stream: DecodeStream, deadline: Deadline) ->
         if e.stage == "idle":  # the total running out says nothing about the endpoint
             state.tell_ejection("decode", ep, state.decode.mark_failed(ep, timed_out=True))
         yield sse_error(f"decode worker {ep.url} timed out mid-stream: {e}", 504, "timeout")
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: its stream is closed, its worker aborts
+        cause = "client_gone"
+        raise
     except httpx.HTTPError as e:
         if stream.cut:  # the router's drain timeout ran out (its own doing: no verdict on the worker)
             cause = "drain"
@@ -68,9 +73,10 @@ async def relay(state: RouterState, stream: DecodeStream, deadline: Deadline) ->
     finally:
         state.drain.streams.discard(stream)
         released(state, state.decode, ep)
-        state.metrics.hop("decode", time.monotonic() - start, error=cause not in (None, "drain"))
-        outcome = {None: "ok", "error": "upstream_error", "drain": "unavailable"}.get(cause, "timeout")
+        state.metrics.hop("decode", time.monotonic() - start, error=cause not in (None, "drain", "client_gone"))
+        outcome = {None: "ok", "error": "upstream_error", "drain": "unavailable",
+                   "client_gone": "client_gone"}.get(cause, "timeout")
         state.metrics.request(outcome)
-        if cause is not None:
+        if cause not in (None, "client_gone"):  # a stream the router or its worker broke
             state.metrics.stream_broken(cause)
         await resp.aclose()

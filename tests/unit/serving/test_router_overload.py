@@ -436,6 +436,29 @@ async def test_a_client_that_leaves_cancels_the_hop_it_waits_on():
     assert metric(state, "disagg:router_requests_total", outcome="client_gone") == 1
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+async def test_a_client_that_leaves_mid_stream_is_counted_client_gone_not_ok_and_no_verdict_on_the_worker(how):
+    """The framework closes the stream's generator (or cancels the task reading it) when its client leaves."""
+    _, _, state = router({}, {D1: "stall"})
+    reply = await route(state, StayingClient({**BODY, "stream": True}), "/v1/completions")
+    chunks = reply.stream
+    assert (await chunks.__anext__()).startswith(b"data: {")
+    if how == "closed":
+        await chunks.aclose()
+    else:
+        reading = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+    assert metric(state, "disagg:router_requests_total", outcome="client_gone") == 1
+    assert metric(state, "disagg:router_requests_total", outcome="ok") == 0
+    assert metric(state, "disagg:router_hop_errors_total", hop="decode") == 0
+    assert untouched(state, D1) and not state.drain.streams
+    assert state.decode.endpoints[D1].outstanding == 0  # its room is free again
+
+
 # ---------------------------------------------------------------- background tasks
 @pytest.mark.asyncio
 async def test_a_background_task_that_dies_is_restarted_counted_and_health_says_so_meanwhile():
