@@ -9,7 +9,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +93,7 @@ class Sent:
     retry_after: str | None = None
     done: bool = False  # the answer ended ([DONE] or the whole error body)
     failure: str = ""  # the client's exception, e.g. ConnectTimeout, RemoteProtocolError
+    left: bool = False  # the client left before its answer ended (offer's leave_within_s)
 
 
 async def _one(client: httpx.AsyncClient, url: str, payload: dict, sent: Sent | None = None) -> Sent:
@@ -118,10 +119,19 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, sent: Sent | 
         return sent
 
 
+async def _leave_after(answer: Awaitable[Sent], seconds: float, sent: Sent) -> Sent:
+    try:
+        return await asyncio.wait_for(answer, seconds)
+    except (TimeoutError, asyncio.TimeoutError):
+        sent.left = True
+        return sent
+
+
 async def offer(url: str, rate: float, seconds: float, payload: dict, grace_s: float = 60.0,
-                seed: int = 0) -> list[Sent]:
+                seed: int = 0, leave_within_s: float | None = None) -> list[Sent]:
     """Poisson arrivals at `rate` per second for `seconds`; what is unfinished `grace_s` later is given up (its
-    Sent says how far it got)."""
+    Sent says how far it got). `leave_within_s`: each client leaves after a random 0..leave_within_s seconds
+    unless its answer ended first."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     sent: list[Sent] = []
@@ -129,7 +139,10 @@ async def offer(url: str, rate: float, seconds: float, payload: dict, grace_s: f
         tasks, t0 = [], time.monotonic()
         while time.monotonic() - t0 < seconds:
             sent.append(Sent())
-            tasks.append(asyncio.ensure_future(_one(client, url, payload, sent[-1])))
+            answer = _one(client, url, payload, sent[-1])
+            if leave_within_s is not None:
+                answer = _leave_after(answer, rng.uniform(0.0, leave_within_s), sent[-1])
+            tasks.append(asyncio.ensure_future(answer))
             await asyncio.sleep(rng.expovariate(rate))
         _, pending = await asyncio.wait(tasks, timeout=grace_s)
         for t in pending:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
 
-import httpx
 import pytest
 from serving_helpers import NIXL_MISSING, nixl_available
 
 from ctl_fixtures import LEASE_S, wait_idle
-from overload_fixtures import body, pd_fleet, read_stream
+from overload_fixtures import body, offer, pd_fleet, read_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=NIXL_MISSING)]
 
@@ -31,34 +29,6 @@ IDLE_ENGINE_CORES = 0.3  # an idle worker's process (probes, metrics) uses a few
 def pd(tiny_model_dir, tmp_path_factory):
     with pd_fleet(tmp_path_factory.mktemp("leave"), tiny_model_dir, connector="NixlConnector") as pd:
         yield pd
-
-
-async def leave_early(url: str, seed: int) -> tuple[int, int]:
-    """(clients that left before their answer ended, clients whose answer ended first)."""
-    rng = random.Random(seed)
-    payload = body(32)
-
-    async def one(client: httpx.AsyncClient, i: int, stay_s: float) -> bool:
-        async def read() -> None:
-            prompt = f"{i} the harbour market opened before dawn and the fishermen sold their catch " * 3
-            async with client.stream("POST", f"{url}/v1/completions", json={**payload, "prompt": prompt}) as r:
-                async for _ in r.aiter_bytes():
-                    pass
-        try:
-            await asyncio.wait_for(read(), stay_s)
-            return False
-        except (TimeoutError, asyncio.TimeoutError):
-            return True
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # a client that leaves closes
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as client:
-        tasks, t0, i = [], time.monotonic(), 0
-        while time.monotonic() - t0 < SECONDS:
-            tasks.append(asyncio.ensure_future(one(client, i, rng.uniform(0.0, MAX_STAY_S))))
-            i += 1
-            await asyncio.sleep(rng.expovariate(RATE))
-        left = await asyncio.gather(*tasks)
-    return sum(left), len(left) - sum(left)
 
 
 def process_cores(pid: int, seconds: float = 3.0) -> float:
@@ -73,7 +43,8 @@ def process_cores(pid: int, seconds: float = 3.0) -> float:
 
 def test_clients_that_leave_at_any_moment_leave_no_kv_held_and_no_engine_busy(pd, record_outcome):
     router, fleet = pd["router"], pd["fleet"]
-    left, finished = asyncio.run(leave_early(router, seed=7))
+    sent = asyncio.run(offer(router, RATE, SECONDS, body(32), seed=7, leave_within_s=MAX_STAY_S))
+    left = sum(s.left for s in sent)
     assert left > 100, f"only {left} clients left before their answer's end: the case did not happen"
     started = time.monotonic()
     wait_idle(pd["workers"])
