@@ -120,6 +120,11 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         while True:
             if self._replay is not None and self._replay.poll(0):
+                # A replay answers with every batch published before the request came, including those still
+                # queued: a subscriber that joined after they were queued would not see them live.
+                if not self._send_queued():
+                    self._answer_replay()
+                    return
                 self._answer_replay()
             try:
                 batch = self._queue.get(timeout=_POLL_MS / 1000)
@@ -127,10 +132,24 @@ class ZmqEventPublisher:
                 continue
             if batch is None:
                 return
+            self._send_logged(batch)
+
+    def _send_queued(self) -> bool:
+        """Send what is queued now; False when the close marker was among it."""
+        while True:
             try:
-                self._send(batch)
-            except zmq.ZMQError:  # a full or closing socket: counted as a gap by the subscriber
-                logger.exception("sending a KV event batch failed")
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if batch is None:
+                return False
+            self._send_logged(batch)
+
+    def _send_logged(self, batch: EventBatch) -> None:
+        try:
+            self._send(batch)
+        except zmq.ZMQError:  # a full or closing socket: counted as a gap by the subscriber
+            logger.exception("sending a KV event batch failed")
 
     def _send(self, batch: EventBatch) -> None:
         seq, payload = self._next_seq, encode_batch(batch)

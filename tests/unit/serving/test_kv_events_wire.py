@@ -147,6 +147,37 @@ def test_a_subscriber_written_against_vllms_schema_reads_our_events_and_replay()
         pub.close()
 
 
+def test_a_replay_holds_every_batch_published_before_it_even_those_not_yet_sent(monkeypatch):
+    """A subscriber that joins while the engine's batches are still queued gets them by replay: they were sent
+    before its SUB joined, so it would never see them live."""
+    import disagg.worker.kv_events.publisher as publisher
+
+    def slow_encode(batch):  # a publisher thread that is behind the engine
+        time.sleep(0.02)
+        return encode(batch)
+
+    encode = publisher.encode_batch
+    monkeypatch.setattr(publisher, "encode_batch", slow_encode)
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", BS)
+    ctx = zmq.Context()
+    replay = ctx.socket(zmq.DEALER)
+    replay.setsockopt(zmq.RCVTIMEO, 10_000)
+    replay.connect(pub.info.replay_endpoint)
+    try:
+        batches = engine_batches() * 4
+        for b in batches:
+            pub.publish(b)
+        replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        seqs = []
+        while not seqs or seqs[-1] != -1:
+            seqs.append(int.from_bytes(replay.recv_multipart()[2], "big", signed=True))
+        assert seqs == list(range(len(batches))) + [-1]
+    finally:
+        replay.close(linger=0)
+        ctx.term()
+        pub.close()
+
+
 def test_a_busy_port_is_a_clear_error():
     port = free_port()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", None, BS)
