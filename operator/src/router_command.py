@@ -18,7 +18,8 @@ def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPl
     """`disagg router ...` (argv[0] is EXECUTABLE), spec.router.extraArgs last so a user's flag wins."""
     argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port),
             *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s),
-            "--max-request-body-bytes", str(spec.router.admission.max_request_body_bytes)]
+            "--max-request-body-bytes", str(spec.router.admission.max_request_body_bytes),
+            "--max-in-flight-per-endpoint", str(spec.router.admission.in_flight_per_endpoint(spec))]
     if placement.tls_files is not None:
         cert, key = placement.tls_files
         argv += ["--tls-cert-file", cert, "--tls-key-file", key]

@@ -10,6 +10,8 @@ the schema (cross-field, per target, every command parsed) are in checks.py.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -17,6 +19,7 @@ from pydantic.alias_generators import to_camel
 
 from disagg.operator.naming import GROUP
 from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
+from disagg.worker.config import EngineConfig
 from disagg.worker.kv_transfer.connectors import CONNECTORS
 from disagg.worker.router import endpoints as router_endpoints
 from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -273,6 +276,39 @@ class RouterAdmission(_Model):
                                       "it is answered 429 with Retry-After (0: at once).")
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, le=2**31,
                                         description="Larger request bodies are answered 413.")
+    max_in_flight_per_endpoint: int | None = Field(
+        None, ge=0, le=100_000, description="Generation requests one router serves at once, per ready decode "
+        "worker (and 500 in all); more are answered 429 with Retry-After before their body is parsed. Unset: what "
+        "a decode worker takes at once - its --max-num-seqs (engineArgs or decode.extraArgs; else 64 for engine "
+        "disagg, 1024 for vllm) plus its waiting queue (decode.admission.maxWaitingRequests, else an eighth of "
+        "that). 0: no bound per worker.")
+
+    def in_flight_per_endpoint(self, spec: DisaggregatedInferenceSpec) -> int:
+        """maxInFlightPerEndpoint, or what one decode worker of `spec` takes at once."""
+        if self.max_in_flight_per_endpoint is not None:
+            return self.max_in_flight_per_endpoint
+        seqs = _last_flag_value([*spec.engine_args, *spec.decode.extra_args], "--max-num-seqs")
+        running = seqs if seqs is not None else (VLLM_MAX_NUM_SEQS if spec.engine == "vllm" else DISAGG_MAX_NUM_SEQS)
+        waiting = spec.decode.admission.max_waiting_requests if spec.engine == "disagg" else None  # vLLM's own
+        return running + (waiting if waiting is not None else math.ceil(running / 8))
+
+
+DISAGG_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # `disagg worker`'s default --max-num-seqs
+VLLM_MAX_NUM_SEQS = 1024  # vLLM's largest default (GPUs with 70 GiB or more); others 256: a bound, not a target
+
+
+def _last_flag_value(argv: list[str], flag: str) -> int | None:
+    """The integer value the last `flag N` or `flag=N` in argv gives (None: none, or not an integer)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 class RouterSpec(PodPlacement):

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.client_disconnect import unless_disconnected
-from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
+from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, Shed, room_for
 from disagg.worker.router.draining import STOPPING_MESSAGE
 from disagg.worker.router.hop_bodies import GENERATION_PATHS, check_max_tokens
 from disagg.worker.router.hops import serve
@@ -69,7 +69,9 @@ class RefuseAtTheDoor:
     CLI adds the limit outside this, so a refused body has been read (not parsed) by then. Putting the door
     outside the limit, to leave refused bodies unread, served less under a flood (bench/overload.py at 10x:
     27-48 against 41-56 req/s, four alternating pairs), so it stays here. With no decode endpoint available the
-    request goes on (the hold queue, or the ready wait, answers for it)."""
+    request goes on (the hold queue, or the ready wait, answers for it). The same 429 for a request that finds
+    the router serving as many as its bound (RouterState.in_flight_bound, --max-in-flight-per-endpoint) - before
+    any worker has said it is full, say, when a flood starts."""
 
     def __init__(self, app: Any, state: RouterState):
         self.app, self.state = app, state
@@ -79,9 +81,18 @@ class RefuseAtTheDoor:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST" \
                 or not state.decode.available() or state.drain.draining:
             return await self.app(scope, receive, send)
-        shed = await room_for(state, state.decode, Deadline(state.timeouts))
+        if (bound := state.in_flight_bound()) is not None and state.in_flight >= bound:
+            state.metrics.request("shed")
+            shed = Shed(DEFAULT_RETRY_AFTER_S, f"the router serves {state.in_flight} requests, its bound "
+                        f"({bound}); retry in {DEFAULT_RETRY_AFTER_S} s")
+        else:
+            shed = await room_for(state, state.decode, Deadline(state.timeouts))
         if shed is None:
-            return await self.app(scope, receive, send)
+            state.in_flight += 1
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                state.in_flight -= 1
         request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
         # the same 429 the route would answer (a plain Response sends without reading the body)
         await to_response(shed_reply(shed, {"X-Request-Id": request_id or uuid.uuid4().hex}))(scope, receive, send)

@@ -10,7 +10,9 @@ from typing import Any
 from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
 from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
 from disagg.worker.router.draining import DRAIN_DELAY_S, DRAIN_TIMEOUT_S
-from disagg.worker.router.routing import GracefulServer, add_routing_arguments, build_routing, graceful_config
+from disagg.worker.router.routing import (IN_FLIGHT_CEILING, GracefulServer, add_routing_arguments, build_routing,
+                                         graceful_config)
+from disagg.worker.router.waiting_room import DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT
 
 logger = logging.getLogger("disagg.worker.router")
 
@@ -28,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="seconds open requests get once the listener closed; then each open stream ends with an "
                         "SSE error event and each waiting request with a 503")
+    p.add_argument("--max-in-flight-per-endpoint", type=int, default=DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT,
+                   metavar="N", help="generation requests served at once, per ready decode worker (and "
+                   f"{IN_FLIGHT_CEILING} in all: half the connections to the workers); more are answered 429 with "
+                   "Retry-After before their body is parsed (0: no bound per worker)")
     add_body_arguments(p)
     add_client_key_arguments(p)
     p.add_argument("--tls-cert-file", metavar="PEM", help="serve HTTPS with this certificate (chain); needs "
@@ -55,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         if args.drain_delay < 0 or args.drain_timeout < 0:
             raise ValueError(f"--drain-delay and --drain-timeout must be >= 0 seconds, got {args.drain_delay} and "
                              f"{args.drain_timeout}")
+        if args.max_in_flight_per_endpoint < 0:
+            raise ValueError(f"--max-in-flight-per-endpoint must be >= 0, got {args.max_in_flight_per_endpoint}")
         if problems := body_limit_problems(args):
             raise ValueError("; ".join(problems))
     except (ValueError, FileNotFoundError) as e:

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from disagg.worker.listener import BatchAcceptServer
 from disagg.worker.router.draining import CUT_GRACE_S, DRAIN_DELAY_S, DRAIN_TIMEOUT_S, Drain
 from disagg.worker.router.endpoints import UNRESPONSIVE_AFTER_S, EndpointPool
 from disagg.worker.router.hold import HoldQueue, HoldSettings
@@ -55,10 +56,15 @@ HOP_CONNECTIONS = 1000  # the hops' pool: past it a request waits the connect bo
 # that walk was a third of the router's CPU under a flood (py-spy), and bench/overload.py at 2x / 10x capacity
 # (2 cores, same session) served 41 / 19 req/s within the SLO; with 20, 83 / 52.
 HOP_KEEPALIVE = 20
+# Generation requests the router serves at once, in all (the per-worker bound: waiting_room.py): past half the
+# hops' connections requests would queue in httpcore's pool, whose every request and release walks that queue
+# against each connection - at 10x of 77 req/s with no bound the walk took 91% of the router's CPU (py-spy) and
+# it served 1 req/s.
+IN_FLIGHT_CEILING = HOP_CONNECTIONS // 2
 PROBE_CONNECTIONS = 64  # the probes' and scrapes' own pool
 
 
-class GracefulServer(uvicorn.Server):
+class GracefulServer(BatchAcceptServer):
     """uvicorn that drains at SIGTERM/SIGINT (draining.py: /ready 503 at once, the listener closed after
     `drain_delay_s`, open streams cut with an error event after `drain_timeout_s`; a second SIGINT forces it) and
     then exits 0 (plain uvicorn re-raises the signal). Give uvicorn's timeout_graceful_shutdown the drain timeout
@@ -303,7 +309,9 @@ def build_routing(args: argparse.Namespace, metrics_role: str = "router", need_d
         discovery.poll(prefill, decode)  # the first membership before serving
     state = RouterState(prefill, decode, metrics, probe_interval_s=args.probe_interval, timeouts=timeouts,
                         prefix=prefix, early_first_token=early_first_token, queue_wait_s=args.queue_wait,
-                        max_queued=args.max_queued_requests)
+                        max_queued=args.max_queued_requests,
+                        max_in_flight_per_endpoint=getattr(args, "max_in_flight_per_endpoint", 0),  # the router's
+                        in_flight_ceiling=IN_FLIGHT_CEILING)
     metrics.watch_handoffs(state.handoffs, state.members)
     metrics.watch_queues(lambda: {role: room.waiting for role, room in state.rooms.items()})
     if hold.enabled:

@@ -43,6 +43,11 @@ class RouterState:
     queue_wait_s: float | None = None  # how long a request waits for room at a saturated pool (None: the default)
     max_queued: int | None = None  # how many may wait at once, per pool (None: the default)
     rooms: dict[str, WaitingRoom] = field(default_factory=dict)  # role -> its waiting room (capacity.py)
+    # generation requests past the door at once: at most this many per available decode endpoint, and
+    # in_flight_ceiling in all (app.RefuseAtTheDoor; 0: no bound per endpoint); in_flight counts them
+    max_in_flight_per_endpoint: int = 0
+    in_flight_ceiling: int | None = None
+    in_flight: int = 0
     drain: Drain = field(default_factory=Drain)  # the shutdown's state (draining.py)
     down: dict[str, str] = field(default_factory=dict)  # background task -> why it is down (supervision.py)
 
@@ -52,6 +57,13 @@ class RouterState:
                       if v is not None}
             self.rooms[pool.role] = WaitingRoom(**bounds)
         return self.rooms[pool.role]
+
+    def in_flight_bound(self) -> int | None:
+        """How many generation requests may be past the door at once (None: no bound)."""
+        bounds = [b for b in (self.in_flight_ceiling, self.max_in_flight_per_endpoint
+                              * max(len(self.decode.available()), 1) if self.max_in_flight_per_endpoint else None)
+                  if b is not None]
+        return min(bounds) if bounds else None
 
     @property
     def probes(self) -> httpx.AsyncClient | None:

@@ -10,6 +10,13 @@ from dataclasses import dataclass, field
 # 46.8 / 29.4 to 51.6 / 40.3 req/s behind the gateway, and from 27.1 / 12.4 to 35.5 / 16.2 through the router.
 DEFAULT_QUEUE_WAIT_S = 0.1
 DEFAULT_MAX_QUEUED = 1000
+# Generation requests the router serves at once, per ready decode worker (app.RefuseAtTheDoor; and
+# routing.IN_FLIGHT_CEILING in all). The router's listener accepts every connection that comes (listener.py), so
+# under a flood, before any worker has answered 429, this bound is where the excess is refused - a fast 429 with
+# Retry-After instead of a connection left in the kernel's accept queue. This default is `disagg router` run by
+# hand; from a spec the router gets what one decode worker takes at once (operator spec.RouterAdmission): on 2
+# CPU cores (bench/overload.py, 10x of 77 req/s) that bound, 72, served 30-45 req/s within the SLO, 256 15-37.
+DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT = 256
 
 
 @dataclass

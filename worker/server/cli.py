@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from disagg.worker.api_keys import ApiKeys, RequireApiKey, worker_own_keys
+from disagg.worker.listener import BatchAcceptServer
 from disagg.worker.kv_transfer.connectors import DEFAULT_LEASE_SECONDS
 from disagg.worker.server.args import add_arguments, kv_transfer_config  # noqa: F401  (the subcommand's parser)
 
@@ -173,7 +174,7 @@ def _serve(args: argparse.Namespace, config: Any, publisher: Any, pd: Any, signe
     return 0 if server.started else 1
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(BatchAcceptServer):
     """uvicorn.Server that marks the worker draining on SIGTERM/SIGINT and exits 0 afterwards
     (uvicorn would re-raise the signal, turning a clean drain into exit status -15)."""
 

@@ -29,7 +29,7 @@ ROUTERS = {
                             "unresponsiveSeconds": 0},
                "outlierDetection": {"consecutiveFailures": 3, "baseEjectionSeconds": 4, "maxEjectionSeconds": 40},
                "prefixAware": {"loadCostTokens": 96, "skipPrefillBlocks": 5},
-               "admission": {"queueWaitSeconds": 0.25, "maxRequestBodyBytes": 4096}},
+               "admission": {"queueWaitSeconds": 0.25, "maxRequestBodyBytes": 4096, "maxInFlightPerEndpoint": 48}},
     "extra-args": {"extraArgs": ["--log-level", "DEBUG", "--no-early-first-token"]},
     "auth-tls": {"auth": {"secretName": "client-keys"}, "tls": {"secretName": "router-tls"}},
 }
@@ -96,6 +96,8 @@ def test_every_router_command_parses_with_the_routers_parser(policy, engine, aut
         r.prefix_aware.load_cost_tokens, r.prefix_aware.skip_prefill_blocks)
     assert (args.queue_wait, args.max_request_body_bytes) == (
         r.admission.queue_wait_seconds, r.admission.max_request_body_bytes)
+    # unset: what one of the examples' decode workers takes at once (--max-num-seqs 256, and an eighth waiting)
+    assert args.max_in_flight_per_endpoint == (48 if router == "bounds" else 256 + 32)
     assert args.log_level == ("DEBUG" if router == "extra-args" else "INFO")
     assert args.early_first_token is (router != "extra-args")
     if target == "kubernetes":
@@ -131,3 +133,20 @@ def test_scale_to_zero_makes_the_router_hold_requests(target):
         "scale_to_zero": s.ScaleToZero(enabled=True, hold_seconds=45, max_held_requests=7)})})
     args = parse_like_the_router(router_command(zero, target)[0])
     assert (args.hold_seconds, args.max_held_requests) == (45, 7)
+
+
+@pytest.mark.parametrize("engine, args, waiting, bound", [
+    ("disagg", [], None, 64 + 8), ("vllm", [], None, 1024 + 128),  # the engines' defaults
+    ("disagg", ["--max-num-seqs", "16"], None, 16 + 2), ("disagg", ["--max-num-seqs=16"], 5, 16 + 5),
+    ("vllm", ["--max-num-seqs", "100"], None, 100 + 13),
+])
+def test_the_routers_bound_defaults_to_what_a_decode_worker_takes_at_once(engine, args, waiting, bound):
+    raw = copy.deepcopy(BASES[engine])
+    raw["decode"]["extraArgs"] = args
+    raw["engineArgs"] = ["--max-num-seqs", "999"] if args else []  # the role's flag comes later and wins
+    if waiting is not None:
+        raw["decode"]["admission"] = {"maxWaitingRequests": waiting}
+    spec, problems = check_spec(raw, "kubernetes")
+    assert spec is not None and problems == [], problems
+    argv, _ = router_command(spec, "kubernetes")
+    assert parse_like_the_router(argv).max_in_flight_per_endpoint == bound

@@ -516,3 +516,43 @@ async def test_the_picker_learns_a_429_from_the_response_and_answers_429_when_ev
     assert untouched(state, D1) and state.decode.endpoints[D1].outstanding == 0
     refused = await picker.pick(request)
     assert refused.status == 429 and refused.retry_after_s == 3 and "capacity" in refused.message
+
+
+@pytest.mark.asyncio
+async def test_past_its_in_flight_bound_the_router_answers_429_at_once_and_serves_again_when_they_end():
+    """Before any worker has said it is full (a flood's first second): the router serves at most its bound per
+    ready decode worker at once, and answers the rest 429 with Retry-After without sending them anywhere."""
+    gate, arrived = asyncio.Event(), []
+
+    async def workers(request: httpx.Request) -> httpx.Response:
+        arrived.append(request.url.host)
+        await gate.wait()
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    client, state = scripted_router([], [D1, D2], workers, max_in_flight_per_endpoint=2)
+    held = [asyncio.ensure_future(client.post("/v1/completions", json=BODY)) for _ in range(4)]  # 2 x 2 ready
+    while len(arrived) < 4:
+        await asyncio.sleep(0.01)
+    r = await asyncio.wait_for(client.post("/v1/completions", json=BODY), 2.0)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert "serves 4 requests, its bound (4)" in r.json()["error"]["message"]
+    assert len(arrived) == 4 and metric(state, "disagg:router_requests_total", outcome="shed") == 1
+    state.decode.endpoints[D2].ready = False  # one decode worker left: half the bound
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 429
+    gate.set()
+    assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 4
+    assert state.in_flight == 0 and untouched(state, D1)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+
+
+def test_the_in_flight_bound_is_per_ready_decode_worker_under_a_ceiling_and_zero_leaves_only_the_ceiling():
+    _, _, state = router({}, {D1: "ok", D2: "ok"})
+    state.max_in_flight_per_endpoint, state.in_flight_ceiling = 3, 5
+    assert state.in_flight_bound() == 5
+    state.decode.endpoints[D2].ready = False
+    assert state.in_flight_bound() == 3
+    state.max_in_flight_per_endpoint = 0
+    assert state.in_flight_bound() == 5
+    state.in_flight_ceiling = None
+    assert state.in_flight_bound() is None
