@@ -68,19 +68,23 @@ class Acceptor:
             self.loop.add_reader(self.sock.fileno(), self._accept)
 
     async def _connect(self, conn: socket.socket) -> None:
+        # The transport owns the socket from here on, and closes it on failure too (uvloop's closes the
+        # descriptor later, in libuv: closing it here as well could close a newer connection's).
         try:
             await self.loop.connect_accepted_socket(self.protocol_factory, conn, ssl=self.ssl)
         except (OSError, asyncio.CancelledError) as e:  # reset before it started, a failed TLS handshake
             logger.debug("an accepted connection ended before it started: %r", e)
-            conn.close()
 
     def close(self) -> None:
-        """Stop accepting; connections already accepted go on."""
+        """Stop accepting; connections already serving go on (one still in its TLS handshake is dropped: the
+        handshake may take up to its 60 s timeout, and the listener is closing)."""
         if self._closed:
             return
         self._closed = True
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
+        for task in self._connecting:
+            task.cancel()
 
     async def wait_closed(self) -> None:
         if self._connecting:

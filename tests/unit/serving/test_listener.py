@@ -123,3 +123,26 @@ def test_a_port_in_use_is_named_and_stops_the_start(caplog):
         with pytest.raises(SystemExit) as exit_:
             uvloop.run(server.serve())
         assert exit_.value.code != 0 and f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+def test_closing_drops_a_connection_stuck_in_its_tls_handshake_at_once(tmp_path):
+    """A client that connects to the TLS port and says nothing does not hold up the server's shutdown."""
+    cert, key = map(str, write_self_signed(tmp_path / "tls", ["127.0.0.1"]))
+
+    async def scenario() -> float:
+        import ssl as ssl_
+
+        context = ssl_.create_default_context(ssl_.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        loop = asyncio.get_running_loop()
+        acceptor = Acceptor(loop, listening_sockets("127.0.0.1", 0, 16)[0], asyncio.Protocol, ssl=context)
+        silent = socket.create_connection(acceptor.sock.getsockname())
+        while not acceptor._connecting:  # noqa: SLF001 - accepted, in its handshake
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        acceptor.close()
+        await asyncio.wait_for(acceptor.wait_closed(), 5)
+        silent.close()
+        return time.monotonic() - started
+
+    assert uvloop.run(scenario()) < 1.0
