@@ -278,23 +278,24 @@ class RouterAdmission(_Model):
                                         description="Larger request bodies are answered 413.")
     max_in_flight_per_endpoint: int | None = Field(
         None, ge=0, le=100_000, description="Generation requests one router serves at once, per ready decode "
-        "worker (and 500 in all); more are answered 429 with Retry-After before their body is parsed. Unset: what "
-        "a decode worker takes at once - its --max-num-seqs (engineArgs or decode.extraArgs; else 64 for engine "
-        "disagg, 1024 for vllm) plus its waiting queue (decode.admission.maxWaitingRequests, else an eighth of "
-        "that). 0: no bound per worker.")
+        "worker (and 500 in all); more are answered 429 with Retry-After before their body is parsed. Unset, "
+        "engine disagg: what a decode worker takes at once - its --max-num-seqs (engineArgs or decode.extraArgs; "
+        "else 64) plus its waiting queue (decode.admission.maxWaitingRequests, else an eighth of that); engine "
+        "vllm: 0, since vLLM's waiting queue has no bound. 0: no bound per worker.")
 
     def in_flight_per_endpoint(self, spec: DisaggregatedInferenceSpec) -> int:
         """maxInFlightPerEndpoint, or what one decode worker of `spec` takes at once."""
         if self.max_in_flight_per_endpoint is not None:
             return self.max_in_flight_per_endpoint
+        if spec.engine == "vllm":  # its waiting queue has no bound: vLLM's users expect requests to queue there
+            return 0
         seqs = _last_flag_value([*spec.engine_args, *spec.decode.extra_args], "--max-num-seqs")
-        running = seqs if seqs is not None else (VLLM_MAX_NUM_SEQS if spec.engine == "vllm" else DISAGG_MAX_NUM_SEQS)
-        waiting = spec.decode.admission.max_waiting_requests if spec.engine == "disagg" else None  # vLLM's own
+        running = seqs if seqs is not None else DISAGG_MAX_NUM_SEQS
+        waiting = spec.decode.admission.max_waiting_requests
         return running + (waiting if waiting is not None else math.ceil(running / 8))
 
 
 DISAGG_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # `disagg worker`'s default --max-num-seqs
-VLLM_MAX_NUM_SEQS = 1024  # vLLM's largest default (GPUs with 70 GiB or more); others 256: a bound, not a target
 
 
 def _last_flag_value(argv: list[str], flag: str) -> int | None:

@@ -96,8 +96,9 @@ def test_every_router_command_parses_with_the_routers_parser(policy, engine, aut
         r.prefix_aware.load_cost_tokens, r.prefix_aware.skip_prefill_blocks)
     assert (args.queue_wait, args.max_request_body_bytes) == (
         r.admission.queue_wait_seconds, r.admission.max_request_body_bytes)
-    # unset: what one of the examples' decode workers takes at once (--max-num-seqs 256, and an eighth waiting)
-    assert args.max_in_flight_per_endpoint == (48 if router == "bounds" else 256 + 32)
+    # unset: what one of the examples' decode workers takes at once (--max-num-seqs 256, and an eighth waiting);
+    # vLLM's waiting queue has no bound, nor has the router's per worker then
+    assert args.max_in_flight_per_endpoint == (48 if router == "bounds" else 256 + 32 if engine == "disagg" else 0)
     assert args.log_level == ("DEBUG" if router == "extra-args" else "INFO")
     assert args.early_first_token is (router != "extra-args")
     if target == "kubernetes":
@@ -136,9 +137,9 @@ def test_scale_to_zero_makes_the_router_hold_requests(target):
 
 
 @pytest.mark.parametrize("engine, args, waiting, bound", [
-    ("disagg", [], None, 64 + 8), ("vllm", [], None, 1024 + 128),  # the engines' defaults
+    ("disagg", [], None, 64 + 8),  # the worker's defaults
     ("disagg", ["--max-num-seqs", "16"], None, 16 + 2), ("disagg", ["--max-num-seqs=16"], 5, 16 + 5),
-    ("vllm", ["--max-num-seqs", "100"], None, 100 + 13),
+    ("vllm", [], None, 0), ("vllm", ["--max-num-seqs", "100"], None, 0),  # vLLM queues without a bound
 ])
 def test_the_routers_bound_defaults_to_what_a_decode_worker_takes_at_once(engine, args, waiting, bound):
     raw = copy.deepcopy(BASES[engine])
