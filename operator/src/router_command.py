@@ -11,7 +11,10 @@ from __future__ import annotations
 from disagg.operator import spec as s
 from disagg.operator.naming import KV_EVENTS_TOPIC
 from disagg.operator.placement import RouterPlacement
-from disagg.operator.worker_command import EXECUTABLE
+from disagg.operator.worker_command import EXECUTABLE, admission_args
+from disagg.worker.router.waiting_room import DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT
+from disagg.worker.server.admission import AdmissionLimits
+from disagg.worker.server.args import parse_worker_args
 
 
 def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPlacement) -> list[str]:
@@ -19,11 +22,28 @@ def build_router_command(spec: s.DisaggregatedInferenceSpec, placement: RouterPl
     argv = [EXECUTABLE, "router", "--host", placement.host, "--port", str(placement.port),
             *routing_args(spec, placement.discovery, placement.kv_events_ports, placement.probe_interval_s),
             "--max-request-body-bytes", str(spec.router.admission.max_request_body_bytes),
-            "--max-in-flight-per-endpoint", str(spec.router.admission.in_flight_per_endpoint(spec))]
+            "--max-in-flight-per-endpoint", str(in_flight_per_endpoint(spec))]
     if placement.tls_files is not None:
         cert, key = placement.tls_files
         argv += ["--tls-cert-file", cert, "--tls-key-file", key]
     return [*argv, *spec.router.extra_args]
+
+
+def in_flight_per_endpoint(spec: s.DisaggregatedInferenceSpec) -> int:
+    """spec.router.admission.maxInFlightPerEndpoint, or what one decode worker takes at once: its running batch
+    plus its waiting queue, as the worker reads them from its own flags (engine vllm: 0, its queue has no bound)."""
+    if (bound := spec.router.admission.max_in_flight_per_endpoint) is not None:
+        return bound
+    if spec.engine == "vllm":  # vLLM's users expect requests to queue there
+        return 0
+    try:  # the flags that size the decode worker, in the order its command has them
+        args = parse_worker_args(["--role", "decode", *admission_args(spec.decode.admission), *spec.engine_args,
+                                  *spec.decode.extra_args])
+    except ValueError:  # flags the worker rejects: the spec's checks name them (checks.command_problems)
+        return DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT
+    limits = AdmissionLimits.of(args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting_requests,
+                                args.max_waiting_prompt_tokens, role="decode")
+    return args.max_num_seqs + limits.max_waiting_requests
 
 
 def routing_args(spec: s.DisaggregatedInferenceSpec, discovery: tuple[str, ...],

@@ -10,8 +10,6 @@ the schema (cross-field, per target, every command parsed) are in checks.py.
 """
 from __future__ import annotations
 
-import math
-
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -19,7 +17,6 @@ from pydantic.alias_generators import to_camel
 
 from disagg.operator.naming import GROUP
 from disagg.worker.body_limit import DEFAULT_MAX_BODY_BYTES
-from disagg.worker.config import EngineConfig
 from disagg.worker.kv_transfer.connectors import CONNECTORS
 from disagg.worker.router import endpoints as router_endpoints
 from disagg.worker.router.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -282,34 +279,6 @@ class RouterAdmission(_Model):
         "engine disagg: what a decode worker takes at once - its --max-num-seqs (engineArgs or decode.extraArgs; "
         "else 64) plus its waiting queue (decode.admission.maxWaitingRequests, else an eighth of that); engine "
         "vllm: 0, since vLLM's waiting queue has no bound. 0: no bound per worker.")
-
-    def in_flight_per_endpoint(self, spec: DisaggregatedInferenceSpec) -> int:
-        """maxInFlightPerEndpoint, or what one decode worker of `spec` takes at once."""
-        if self.max_in_flight_per_endpoint is not None:
-            return self.max_in_flight_per_endpoint
-        if spec.engine == "vllm":  # its waiting queue has no bound: vLLM's users expect requests to queue there
-            return 0
-        seqs = _last_flag_value([*spec.engine_args, *spec.decode.extra_args], "--max-num-seqs")
-        running = seqs if seqs is not None else DISAGG_MAX_NUM_SEQS
-        waiting = spec.decode.admission.max_waiting_requests
-        return running + (waiting if waiting is not None else math.ceil(running / 8))
-
-
-DISAGG_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # `disagg worker`'s default --max-num-seqs
-
-
-def _last_flag_value(argv: list[str], flag: str) -> int | None:
-    """The integer value the last `flag N` or `flag=N` in argv gives (None: none, or not an integer)."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 class RouterSpec(PodPlacement):

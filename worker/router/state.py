@@ -60,10 +60,10 @@ class RouterState:
 
     def in_flight_bound(self) -> int | None:
         """How many generation requests may be past the door at once (None: no bound)."""
-        bounds = [b for b in (self.in_flight_ceiling, self.max_in_flight_per_endpoint
-                              * max(len(self.decode.available()), 1) if self.max_in_flight_per_endpoint else None)
-                  if b is not None]
-        return min(bounds) if bounds else None
+        if not self.max_in_flight_per_endpoint:
+            return self.in_flight_ceiling
+        bound = self.max_in_flight_per_endpoint * max(len(self.decode.available()), 1)
+        return bound if self.in_flight_ceiling is None else min(bound, self.in_flight_ceiling)
 
     @property
     def probes(self) -> httpx.AsyncClient | None:
