@@ -182,6 +182,11 @@ def _warm_up(prefill: str, decode: str) -> None:
             return False
 
     wait_for(pulled, 400, "the vLLM decode's first KV pull", interval=1.0)
+    # a try whose KV the decode read late (60 s on a busy CI run) holds its blocks at the prefill until vLLM's
+    # lease (30 s) expires them, and the expiry is counted at the prefill's next step: within the metered
+    # traffic, the autoscaler would read it as KV waiting to be pulled (DecodeBound) - the blocks freed first
+    wait_for(lambda: metric_sum(prefill, "vllm:kv_cache_usage_perc", 1.0, timeout=30) == 0, 120,
+             "the warm-up's KV released at the vLLM prefill", interval=1.0)
 
 
 def _served(workers: dict[str, ProcessSpec]) -> float:
