@@ -12,11 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from disagg.worker.client_disconnect import unless_disconnected
-from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, Shed, room_for
+from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, room_for
 from disagg.worker.router.draining import STOPPING_MESSAGE
 from disagg.worker.router.hop_bodies import GENERATION_PATHS, check_max_tokens
 from disagg.worker.router.hops import serve
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
+from disagg.worker.router.parser_door import over_bound
 from disagg.worker.router.replies import Reply, error_reply, shed_reply
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
@@ -71,7 +72,8 @@ class RefuseAtTheDoor:
     27-48 against 41-56 req/s, four alternating pairs), so it stays here. With no decode endpoint available the
     request goes on (the hold queue, or the ready wait, answers for it). The same 429 for a request that finds
     the router serving as many as its bound (RouterState.in_flight_bound, --max-in-flight-per-endpoint) - before
-    any worker has said it is full, say, when a flood starts."""
+    any worker has said it is full, say, when a flood starts (served over httptools, uvicorn's protocol answers
+    that one first: parser_door.py)."""
 
     def __init__(self, app: Any, state: RouterState):
         self.app, self.state = app, state
@@ -81,10 +83,8 @@ class RefuseAtTheDoor:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST" \
                 or not state.decode.available() or state.drain.draining:
             return await self.app(scope, receive, send)
-        if (bound := state.in_flight_bound()) is not None and state.in_flight >= bound:
+        if (shed := over_bound(state, scope)) is not None:  # (served with httptools: parser_door answers it)
             state.metrics.request("shed")
-            shed = Shed(DEFAULT_RETRY_AFTER_S, f"the router serves {state.in_flight} requests, its bound "
-                        f"({bound}); retry in {DEFAULT_RETRY_AFTER_S} s")
         else:
             shed = await room_for(state, state.decode, Deadline(state.timeouts))
         if shed is None:

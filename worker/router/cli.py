@@ -10,6 +10,7 @@ from typing import Any
 from disagg.worker.api_keys import RequireApiKey, add_client_key_arguments, client_keys
 from disagg.worker.body_limit import LimitRequestBody, add_body_arguments, body_limit_problems
 from disagg.worker.router.draining import DRAIN_DELAY_S, DRAIN_TIMEOUT_S
+from disagg.worker.router.parser_door import refusing_protocol
 from disagg.worker.router.routing import (IN_FLIGHT_CEILING, GracefulServer, add_routing_arguments, build_routing,
                                          graceful_config)
 from disagg.worker.router.waiting_room import DEFAULT_MAX_IN_FLIGHT_PER_ENDPOINT
@@ -84,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
             yield
 
     app.router.lifespan_context = lifespan
+    protocol = refusing_protocol(state, keys)  # the in-flight bound's 429s answered at the HTTP parser
     server = GracefulServer(graceful_config(app, args.drain_timeout, host=args.host, port=args.port,
-                                            log_level=args.log_level.lower(), **tls),
+                                            log_level=args.log_level.lower(), http=protocol or "auto", **tls),
                             state.drain, args.drain_delay, args.drain_timeout)
     server.run()
     return 0 if server.started else 1
