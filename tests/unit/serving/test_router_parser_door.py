@@ -1,7 +1,8 @@
 """The router's in-flight bound answered at the HTTP parser (parser_door.py), over a real loopback socket: the
 refused request never reaches the ASGI app, its 429 is the door's (Retry-After, X-Request-Id, the JSON error
 naming the bound), its body is dropped and the connection serves the client's next request - pipelined or not;
-Connection: close is honoured; with API keys a request without one is still answered 401 by the app."""
+Connection: close is honoured; with API keys a request without one is still answered 401 by the app; over TLS
+the same."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from scripted_router import scripted_router
 
 from disagg.worker.api_keys import ApiKeys, RequireApiKey
 from disagg.worker.listener import BatchAcceptServer
+from disagg.worker.local.self_signed import client_context, write_self_signed
 from disagg.worker.router.app import build_app
 from disagg.worker.router.parser_door import refusing_protocol
 
@@ -56,7 +58,7 @@ async def _responses(reader: asyncio.StreamReader, n: int) -> list[tuple[int, di
     return out
 
 
-async def _scenario(keys: ApiKeys | None) -> None:
+async def _scenario(keys: ApiKeys | None, tls: tuple[str, str] | None) -> None:
     gate, arrived = asyncio.Event(), []
 
     async def workers(request: httpx.Request) -> httpx.Response:
@@ -72,21 +74,23 @@ async def _scenario(keys: ApiKeys | None) -> None:
     protocol = refusing_protocol(state, keys)
     assert protocol is not None, "uvicorn's httptools protocol is missing: the router would answer every 429 in ASGI"
     port = _free_port()
+    ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
+    verify = client_context(tls[0]) if tls else None
     server = BatchAcceptServer(uvicorn.Config(seen, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
-                                              http=protocol))
+                                              http=protocol, **ssl))
     task = asyncio.ensure_future(server.serve())
     auth = {"Authorization": "Bearer k1"} if keys is not None else {}
     try:
         while not server.started:
             assert not task.done(), "the server did not start"
             await asyncio.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, headers=auth, timeout=10) as client:
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, headers=auth, timeout=10, verify=verify or True) as client:
             held = [asyncio.ensure_future(client.post("/v1/completions", content=BODY)) for _ in range(2)]
             while len(arrived) < 2:
                 await asyncio.sleep(0.01)
             seen.paths.clear()
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=verify)
             key = "authorization: Bearer k1\r\n" if keys is not None else ""
             # a refused request whose body comes in two parts, a second one pipelined right behind it, then /health
             big = json.dumps({"prompt": "y" * 50_000, "max_tokens": 4}).encode()
@@ -127,6 +131,8 @@ async def _scenario(keys: ApiKeys | None) -> None:
         await asyncio.wait_for(task, 10)
 
 
-@pytest.mark.parametrize("keys", [None, ApiKeys.of(["k1"])], ids=["open", "api-keys"])
-def test_past_the_bound_the_parser_answers_429_and_the_connection_serves_on(keys):
-    asyncio.run(_scenario(keys))
+@pytest.mark.parametrize("keys,tls", [(None, False), (ApiKeys.of(["k1"]), False), (None, True)],
+                         ids=["open", "api-keys", "tls"])
+def test_past_the_bound_the_parser_answers_429_and_the_connection_serves_on(keys, tls, tmp_path):
+    files = tuple(map(str, write_self_signed(tmp_path / "tls", ["127.0.0.1"]))) if tls else None
+    asyncio.run(_scenario(keys, files))
