@@ -17,7 +17,7 @@ from disagg.worker.router.draining import STOPPING_MESSAGE
 from disagg.worker.router.hop_bodies import GENERATION_PATHS, check_max_tokens
 from disagg.worker.router.hops import serve
 from disagg.worker.router.metrics import CONTENT_TYPE_LATEST
-from disagg.worker.router.parser_door import over_bound
+from disagg.worker.router.parser_door import over_bound, request_id
 from disagg.worker.router.replies import Reply, error_reply, shed_reply
 from disagg.worker.router.state import RouterState
 from disagg.worker.router.timeouts import Deadline
@@ -93,9 +93,8 @@ class RefuseAtTheDoor:
                 return await self.app(scope, receive, send)
             finally:
                 state.in_flight -= 1
-        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
         # the same 429 the route would answer (a plain Response sends without reading the body)
-        await to_response(shed_reply(shed, {"X-Request-Id": request_id or uuid.uuid4().hex}))(scope, receive, send)
+        await to_response(shed_reply(shed, {"X-Request-Id": request_id(scope)}))(scope, receive, send)
 
 
 def add_status_routes(app: FastAPI, state: RouterState) -> None:

@@ -11,17 +11,13 @@ endpoints, the waiting room - and every other request take the ASGI path as befo
 without a valid key is left to the ASGI stack, which answers it 401 as it would at any load."""
 from __future__ import annotations
 
-import logging
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from disagg.worker.router.capacity import DEFAULT_RETRY_AFTER_S, Shed
 from disagg.worker.router.hop_bodies import GENERATION_PATHS
 from disagg.worker.router.replies import shed_reply
 from disagg.worker.router.state import RouterState
-
-logger = logging.getLogger(__name__)
 
 try:
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -44,6 +40,11 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
 
 
+def request_id(scope: dict[str, Any]) -> str:
+    """The client's X-Request-Id, or a new one: what a refusal echoes."""
+    return _header(scope, b"x-request-id") or uuid.uuid4().hex
+
+
 def refusal(state: RouterState, scope: dict[str, Any], keys: Any = None) -> tuple[bytes, bytes] | None:
     """The 429 refusing this request at the bound (counted shed) - its status line and headers, and its body -
     or None to serve it as usual. `keys`: the router's API keys (api_keys.ApiKeys); a request without a valid
@@ -52,7 +53,7 @@ def refusal(state: RouterState, scope: dict[str, Any], keys: Any = None) -> tupl
     if shed is None or (keys is not None and keys.problem(_header(scope, b"authorization")) is not None):
         return None
     state.metrics.request("shed")
-    reply = shed_reply(shed, {"X-Request-Id": _header(scope, b"x-request-id") or uuid.uuid4().hex})
+    reply = shed_reply(shed, {"X-Request-Id": request_id(scope)})
     head = [STATUS_LINE[reply.status], b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(reply.content)]
     head += [f"{k.lower()}: {v}\r\n".encode("latin-1") for k, v in reply.headers.items()]
@@ -83,4 +84,3 @@ def refusing_protocol(state: RouterState, keys: Any = None) -> type | None:
             cycle.on_response()
 
     return RefusingProtocol
-
